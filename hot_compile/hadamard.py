@@ -1,0 +1,73 @@
+"""Block-16 Walsh–Hadamard transforms and the low-pass Walsh basis.
+
+Every matrix here is built in-graph from ``arange`` and bit operations, so a traced function that uses
+it carries no tensor constants and Inductor folds the ±1 entries into the consuming kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 16
+_BLOCK_BITS = 4  # BLOCK == 2 ** _BLOCK_BITS
+
+
+def _parity(v: torch.Tensor) -> torch.Tensor:
+    """Parity of the low four bits of an integer tensor (popcount mod 2)."""
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return v & 1
+
+
+def _sign_of_parity(rows: torch.Tensor, cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Sylvester: H[i, j] = (-1) ** popcount(i & j)
+    return (1 - 2 * _parity(rows.unsqueeze(-1) & cols)).to(dtype)
+
+
+def hadamard_matrix(dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """The Sylvester Hadamard matrix of order 16: entries ±1, symmetric, ``H @ H.T == 16 * I``."""
+    idx = torch.arange(BLOCK, device=device)
+    return _sign_of_parity(idx, idx, dtype)
+
+
+def walsh_basis(rank: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``rank`` rows of the order-16 Hadamard matrix with the lowest sequency, as ``[rank, 16]``.
+
+    The row of sequency ``k`` (``k`` sign changes) is Sylvester row ``bitreverse4(k ^ (k >> 1))``: the
+    Gray code of ``k`` read with its bits reversed. Rows are returned in increasing sequency.
+    """
+    if not 1 <= rank <= BLOCK:
+        raise ValueError(f"rank must be in 1..{BLOCK}, got {rank!r}")
+    k = torch.arange(rank, device=device)
+    gray = k ^ (k >> 1)
+    rows = ((gray & 1) << 3) | ((gray & 2) << 1) | ((gray & 4) >> 1) | ((gray & 8) >> 3)
+    return _sign_of_parity(rows, torch.arange(BLOCK, device=device), dtype)
+
+
+def padded_length(n):
+    """``n`` rounded up to a multiple of 16 (works on ints and SymInts without a guard)."""
+    return (n + BLOCK - 1) // BLOCK * BLOCK
+
+
+def block_transform(x: torch.Tensor, basis: torch.Tensor, dim: int) -> torch.Tensor:
+    """Apply ``basis`` (``[r, 16]``) to consecutive groups of 16 along ``dim``.
+
+    ``dim`` of length ``n`` is zero-padded to ``16·⌈n/16⌉`` (zeros add nothing to any later
+    contraction over it) and comes out with length ``r·⌈n/16⌉``: group ``b`` of the output holds
+    ``basis @ x[16b : 16b+16]``. Computed as a broadcast multiply-sum in ``x``'s dtype, which Inductor
+    fuses into one loop with the producer and consumer; any strides are accepted.
+    """
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    x = x.movedim(dim, -1)
+    x = F.pad(x, (0, padded_length(n) - n))
+    blocks = x.unflatten(-1, (-1, BLOCK))  # [..., nb, 16]
+    y = (blocks.unsqueeze(-2) * basis.to(x.dtype)).sum(-1)  # [..., nb, r]
+    return y.flatten(-2).movedim(-1, dim)
+
+
+def block_hadamard(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` times ``blockdiag(H, H, …)`` along ``dim`` (padded to a multiple of 16). Applying it twice
+    gives ``16·x`` (padded)."""
+    return block_transform(x, hadamard_matrix(x.dtype, x.device), dim)

@@ -1,0 +1,109 @@
+"""The three composite operations of HOT, on real integer matmuls (int8 in, int32 accumulate).
+
+Shapes follow a linear layer ``y = x Wᵀ + b``: ``x: [..., K]``, ``W: [N, K]``, upstream gradient
+``g: [..., N]``; ``L`` is the product of the leading dims. All arithmetic before the integer matmul is
+float32 whatever the input dtype (fp32, bf16, fp16); results come back in the requested dtype.
+These functions are plain aten code: the graph pass traces them into the joint graph, where Inductor
+fuses each transform with its quantizer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hadamard import BLOCK, block_hadamard, block_transform, walsh_basis
+from .quant import quantize_nearest, quantize_sawb, quantize_stochastic
+
+# Distinct noise streams for the two stochastic quantizers of one linear layer sharing a seed.
+SALT_GRAD_INPUT = 1
+SALT_GRAD_WEIGHT = 2
+
+DEFAULT_GX_BITS = 4
+DEFAULT_GW_BITS = 8
+DEFAULT_RANK = 8
+
+
+@torch.library.custom_op(
+    "hot_compile::draw_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def draw_seed(like: torch.Tensor) -> torch.Tensor:
+    """A fresh int64 seed from the default generator of ``like``'s device (reproducible under
+    ``torch.manual_seed``). ``like`` only places the op: in a joint graph it sits in the backward."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=like.device)
+
+
+@draw_seed.register_fake
+def _draw_seed_fake(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((), dtype=torch.int64)
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with int8 operands and an int32 result (``torch._int_mm``); any strides."""
+    if a.dtype != torch.int8 or b.dtype != torch.int8:
+        raise TypeError(f"int8_matmul takes int8 operands, got {a.dtype} and {b.dtype}")
+    return torch._int_mm(a, b)
+
+
+def hq_grad_input(
+    grad_output: torch.Tensor,
+    weight: torch.Tensor,
+    seed: torch.Tensor,
+    *,
+    grad_bits: int = DEFAULT_GX_BITS,
+    weight_bits: int = DEFAULT_GX_BITS,
+    per_token: bool = False,
+    hadamard: bool = True,
+) -> torch.Tensor:
+    """grad_input of a linear by Hadamard quantization (HQ).
+
+    ``g W = (g B)(B W) / 16`` with ``B = blockdiag(H16, …)`` along N, so
+    ``grad_x ≈ int_mm(q(gB), q(BW)) · s_g · s_w / 16``: ``q(gB)`` stochastic (per-tensor, or per-row
+    when ``per_token``), ``q(BW)`` SAWB round-to-nearest. Returns ``[..., K]`` in ``grad_output``'s dtype.
+    ``hadamard=False`` quantizes ``g`` and ``W`` as they are (plain INT4, the ablation baseline).
+    """
+    n, k = weight.shape
+    g2 = grad_output.reshape(-1, n).float()
+    w = weight.float()
+    if hadamard:
+        g2, w = block_hadamard(g2, 1), block_hadamard(w, 0)
+    qg, sg = quantize_stochastic(g2, grad_bits, seed, per_token=per_token, salt=SALT_GRAD_INPUT)
+    qw, sw = quantize_sawb(w, weight_bits)
+    norm = BLOCK if hadamard else 1
+    out = int8_matmul(qg, qw).to(torch.float32) * (sg * (sw / norm))
+    return out.to(grad_output.dtype).reshape(*grad_output.shape[:-1], k)
+
+
+def compress_activation(
+    x: torch.Tensor, *, rank: int = DEFAULT_RANK, bits: int = DEFAULT_GW_BITS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation buffer compression (ABC): ``x → (q(P_L x), s_x)``.
+
+    ``P_L`` keeps the ``rank`` lowest-sequency Walsh rows of each block of 16 tokens, so the int8
+    result is ``[r·⌈L/16⌉, K]``: ``r/64`` of the bytes of a float32 ``x`` (1/8 at r = 8).
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    projected = block_transform(x2.float(), walsh_basis(rank, device=x.device), 0)
+    return quantize_nearest(projected, bits)
+
+
+def hla_grad_weight(
+    grad_output: torch.Tensor,
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    seed: torch.Tensor,
+    *,
+    rank: int = DEFAULT_RANK,
+    bits: int = DEFAULT_GW_BITS,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """grad_weight of a linear by Hadamard low-rank approximation (HLA).
+
+    ``gᵀ x ≈ (P_L g)ᵀ (P_L x) / 16`` (exact at r = 16), so
+    ``grad_W ≈ int_mm(q(P_L g)ᵀ, q(P_L x)) · s_g · s_x / 16`` with ``q(P_L g)`` stochastic per-tensor
+    and ``(q(P_L x), s_x)`` from :func:`compress_activation` at the same ``rank``. Returns ``[N, K]``.
+    """
+    g2 = grad_output.reshape(-1, grad_output.shape[-1])
+    projected = block_transform(g2.float(), walsh_basis(rank, device=g2.device), 0)
+    qg, sg = quantize_stochastic(projected, bits, seed, salt=SALT_GRAD_WEIGHT)
+    out = int8_matmul(qg.t(), x_q).to(torch.float32) * (sg * (x_scale / BLOCK))
+    return out.to(out_dtype or grad_output.dtype)

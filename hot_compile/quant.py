@@ -1,0 +1,115 @@
+"""Integer quantizers (2..8 bits) that return int8 values plus float32 scale(s).
+
+Every quantizer here obeys three rules the method depends on:
+
+* an all-zero input quantizes to zeros with a finite scale (the scale is guarded, never divided by 0);
+* a NaN or Inf anywhere in the input makes the scale non-finite, so every dequantized product that
+  touches it is non-finite too (AMP's ``GradScaler`` detects overflow this way);
+* the stochastic quantizers are unbiased: ``E[q · s] = v`` exactly.
+
+The uniform noise of stochastic rounding comes from an integer hash of the element index and a seed
+tensor instead of a random-number op: it fuses into the quantization kernel under Inductor and a new
+seed does not recompile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_BITS = 2
+MAX_BITS = 8
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31 keep every intermediate product of a 32-bit value inside int64.
+_MIX_A = 0x7FEB352D
+_MIX_B = 0x2C1B3C6D
+_SEED_MULT = 0x61C88647
+_SALT_MULT = 0x3C6EF372
+
+# SAWB clipping coefficients of the reference implementation: clip = c1·sqrt(E[v²]) − c2·E[|v|].
+SAWB_C1 = 12.1
+SAWB_C2 = 12.2
+
+
+def qmax(bits: int) -> int:
+    """Largest integer level of a symmetric ``bits``-bit quantizer: ``2**(bits-1) - 1``."""
+    if not isinstance(bits, int) or isinstance(bits, bool) or not MIN_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be an int in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
+    return 2 ** (bits - 1) - 1
+
+
+def guard_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Replace a zero scale by 1 (its tensor quantizes to zeros anyway); NaN and Inf pass through."""
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = (h * _MIX_A) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * _MIX_B) & _MASK32
+    return h ^ (h >> 16)
+
+
+def hash_uniform(like: torch.Tensor, seed: torch.Tensor, salt: int = 0) -> torch.Tensor:
+    """Float32 noise in ``[0, 1)`` of ``like``'s shape, a pure function of (element index, seed, salt).
+
+    ``u = mix32(mix32(index + seed·A + salt·B)) >> 8 · 2⁻²⁴`` where ``mix32`` is a xor-shift/multiply
+    finalizer on 32-bit words. ``seed`` is an int64 scalar tensor; ``salt`` separates the noise of
+    different quantizers that share a seed.
+    """
+    index = torch.arange(like.numel(), device=like.device, dtype=torch.int64).view(like.shape)
+    h = (index + seed.to(torch.int64) * _SEED_MULT + salt * _SALT_MULT) & _MASK32
+    h = _mix32(_mix32(h))
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def quantize_stochastic(
+    v: torch.Tensor, bits: int, seed: torch.Tensor, *, per_token: bool = False, salt: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unbiased stochastic rounding: ``s = max|v| / qmax``; ``q = sign(v)·floor(|v|/s + u)``.
+
+    ``per_token`` takes the max over the last dimension (one scale per row, shape ``[..., 1]``);
+    otherwise the scale is a 0-d tensor.
+    """
+    qm = qmax(bits)
+    v = v.float()
+    mag = v.abs()
+    amax = mag.amax(dim=-1, keepdim=True) if per_token else mag.amax()
+    scale = guard_scale(amax / qm)
+    level = torch.floor(mag / scale + hash_uniform(v, seed, salt))
+    q = (torch.sign(v) * level).clamp(-qm, qm).to(torch.int8)
+    return q, scale
+
+
+def quantize_nearest(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor round-to-nearest: ``s = max|v| / qmax``; ``q = round(v / s)``."""
+    qm = qmax(bits)
+    v = v.float()
+    scale = guard_scale(v.abs().amax() / qm)
+    return torch.round(v / scale).clamp(-qm, qm).to(torch.int8), scale
+
+
+def sawb_clip(v: torch.Tensor) -> torch.Tensor:
+    """SAWB clipping value ``12.1·sqrt(mean(v²)) − 12.2·mean(|v|)``, capped at ``max|v|``.
+
+    For near-constant data the formula goes non-positive; ``max|v|`` is used then. A NaN or Inf in
+    ``v`` gives a non-finite clip.
+    """
+    v = v.float()
+    mag = v.abs()
+    amax = mag.amax()
+    clip = SAWB_C1 * torch.sqrt((v * v).mean()) - SAWB_C2 * mag.mean()
+    return torch.where(clip > 0, torch.minimum(clip, amax), amax)
+
+
+def quantize_sawb(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAWB: per-tensor scale ``clip / qmax``, values clipped to ``±clip``, round-to-nearest."""
+    qm = qmax(bits)
+    v = v.float()
+    scale = guard_scale(sawb_clip(v) / qm)
+    return torch.round(v / scale).clamp(-qm, qm).to(torch.int8), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.to(torch.float32) * scale

@@ -1,0 +1,95 @@
+"""Plain float64 reference implementations of the HOT numerics, for tests.
+
+Built independently of the fast path: matrices come from the Sylvester recursion and an explicit
+sequency sort, transforms are dense matmuls with ``kron(I, basis)``, and quantizers are the textbook
+formulas. Only the stochastic-rounding noise is shared with the fast path (:func:`hash_uniform`), so
+both can be compared draw for draw.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hadamard import BLOCK
+from .ops import SALT_GRAD_INPUT, SALT_GRAD_WEIGHT
+from .quant import SAWB_C1, SAWB_C2, hash_uniform, qmax
+
+F64 = torch.float64
+
+
+def sylvester_hadamard(order: int = BLOCK) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=F64)
+    while h.shape[0] < order:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def sequency_sorted_rows(rank: int) -> torch.Tensor:
+    h = sylvester_hadamard()
+    changes = [(int((h[i, 1:] != h[i, :-1]).sum()), i) for i in range(BLOCK)]
+    return h[[i for _, i in sorted(changes)[:rank]]]
+
+
+def block_matrix(n: int, basis: torch.Tensor) -> torch.Tensor:
+    """``blockdiag(basis, basis, …)`` acting on a length-``n`` vector: ``[r·⌈n/16⌉, n]`` (the
+    columns of the zero padding dropped)."""
+    blocks = -(-n // BLOCK)
+    return torch.kron(torch.eye(blocks, dtype=F64), basis.to(F64))[:, :n]
+
+
+def block_transform(x: torch.Tensor, basis: torch.Tensor, dim: int) -> torch.Tensor:
+    xm = x.to(F64).movedim(dim, -1)
+    return (xm @ block_matrix(xm.shape[-1], basis).T).movedim(-1, dim)
+
+
+def stochastic(v: torch.Tensor, bits: int, noise: torch.Tensor, per_token: bool = False):
+    qm = qmax(bits)
+    v = v.to(F64)
+    amax = v.abs().amax(-1, keepdim=True) if per_token else v.abs().amax()
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / qm)
+    q = torch.sign(v) * torch.floor(v.abs() / scale + noise.to(F64))
+    return q.clamp(-qm, qm), scale
+
+
+def nearest(v: torch.Tensor, bits: int):
+    qm = qmax(bits)
+    v = v.to(F64)
+    amax = v.abs().amax()
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / qm)
+    return torch.round(v / scale).clamp(-qm, qm), scale
+
+
+def sawb(v: torch.Tensor, bits: int):
+    qm = qmax(bits)
+    v = v.to(F64)
+    amax = v.abs().amax()
+    clip = SAWB_C1 * v.pow(2).mean().sqrt() - SAWB_C2 * v.abs().mean()
+    clip = torch.where(clip > 0, torch.minimum(clip, amax), amax)
+    scale = torch.where(clip == 0, torch.ones_like(clip), clip / qm)
+    return torch.round(v / scale).clamp(-qm, qm), scale
+
+
+def hq_grad_input(g, w, seed, *, grad_bits=4, weight_bits=4, per_token=False):
+    n, k = w.shape
+    gt = block_transform(g.reshape(-1, n), sylvester_hadamard(), 1)
+    qg, sg = stochastic(gt, grad_bits, hash_uniform(gt, seed, SALT_GRAD_INPUT), per_token)
+    qw, sw = sawb(block_transform(w, sylvester_hadamard(), 0), weight_bits)
+    return ((qg @ qw) * sg * sw / BLOCK).reshape(*g.shape[:-1], k)
+
+
+def compress_activation(x, *, rank=8, bits=8):
+    return nearest(block_transform(x.reshape(-1, x.shape[-1]), sequency_sorted_rows(rank), 0), bits)
+
+
+def hla_grad_weight(g, x_q, x_scale, seed, *, rank=8, bits=8):
+    pg = block_transform(g.reshape(-1, g.shape[-1]), sequency_sorted_rows(rank), 0)
+    qg, sg = stochastic(pg, bits, hash_uniform(pg, seed, SALT_GRAD_WEIGHT))
+    return (qg.T @ x_q.to(F64)) * sg * x_scale.to(F64) / BLOCK
+
+
+def lowpass_product(g, x, rank=8):
+    """The unquantized HLA target ``(P_L g)ᵀ (P_L x) / 16``."""
+    p = sequency_sorted_rows(rank)
+    pg = block_transform(g.reshape(-1, g.shape[-1]), p, 0)
+    px = block_transform(x.reshape(-1, x.shape[-1]), p, 0)
+    return pg.T @ px / BLOCK

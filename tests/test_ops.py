@@ -1,0 +1,198 @@
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hot_compile import ops, reference
+from tests import tolerances as tol
+from tests.data import KINDS, make, rel_err
+
+SEED = torch.tensor(11)
+L, N, K = 400, 136, 72  # neither L nor N a multiple of 16
+
+
+def _operands(kind, seed=0):
+    g = make(kind, L, N, seed)
+    w = make("gaussian", N, K, seed + 1) / N**0.5
+    x = make(kind, L, K, seed + 2)
+    return g, w, x
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("shape", [(L,), (5, 80), (2, 4, 50)])
+def test_hq_matches_reference_2d_and_nd(per_token, shape):
+    g = make("gaussian", int(torch.tensor(shape).prod()), N).reshape(*shape, N)
+    w = make("gaussian", N, K, 1)
+    out = ops.hq_grad_input(g, w, SEED, per_token=per_token)
+    assert out.shape == (*shape, K) and out.dtype == g.dtype
+    ref = reference.hq_grad_input(g, w, SEED, per_token=per_token)
+    assert rel_err(out, ref) < tol.FP32_VS_REFERENCE
+
+
+@pytest.mark.parametrize("rank", [1, 8, 16])
+def test_compress_and_hla_match_reference(rank):
+    g, _, x = _operands("gaussian")
+    xq, xs = ops.compress_activation(x.reshape(4, 100, K), rank=rank)
+    assert xq.dtype == torch.int8 and xq.shape == (rank * -(-L // 16), K) and xs.shape == ()
+    ref_q, ref_s = reference.compress_activation(x, rank=rank)
+    assert (xq.double() != ref_q).float().mean() <= tol.LEVEL_MISMATCH_FRACTION
+    out = ops.hla_grad_weight(g, xq, xs, SEED, rank=rank)
+    assert out.shape == (N, K)
+    assert rel_err(out, reference.hla_grad_weight(g, ref_q, ref_s, SEED, rank=rank)) < tol.FP32_VS_REFERENCE
+
+
+def test_lowpass_at_full_rank_is_exact():
+    g, _, x = _operands("gaussian")
+    gd, xd = g.double(), x.double()
+    torch.testing.assert_close(reference.lowpass_product(gd, xd, 16), gd.T @ xd, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hla_full_rank_equals_gtx_up_to_quantization(kind):
+    g, _, x = _operands(kind)
+    xq, xs = ops.compress_activation(x, rank=16)
+    err = rel_err(ops.hla_grad_weight(g, xq, xs, SEED, rank=16), g.double().T @ x.double())
+    print(f"HLA r=16 INT8 {kind}: rel err {err:.4f}")
+    assert err < (tol.HLA_FULL_RANK_OUTLIER if kind == "outlier" else tol.HLA_FULL_RANK)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hla_rank8_matches_lowpass_product(kind):
+    g, _, x = _operands(kind)
+    xq, xs = ops.compress_activation(x)
+    err = rel_err(ops.hla_grad_weight(g, xq, xs, SEED), reference.lowpass_product(g.double(), x.double()))
+    assert err < tol.HLA_RANK8_VS_LOWPASS * (3 if kind == "outlier" else 1)
+
+
+def test_hla_rank8_on_token_smooth_data():
+    g = make("smooth", L, N, 3)
+    x = make("smooth", L, K, 4)
+    xq, xs = ops.compress_activation(x)
+    err = rel_err(ops.hla_grad_weight(g, xq, xs, SEED), g.double().T @ x.double())
+    print(f"HLA r=8 INT8 on token-smooth data: rel err {err:.4f}")
+    assert err < tol.HLA_RANK8_SMOOTH
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hq_error_bands(kind):
+    g, w, _ = _operands(kind)
+    exact = g.double() @ w.double()
+    per_tensor = max(rel_err(ops.hq_grad_input(g, w, torch.tensor(s)), exact) for s in range(4))
+    per_token = max(rel_err(ops.hq_grad_input(g, w, torch.tensor(s), per_token=True), exact) for s in range(4))
+    print(f"HQ INT4 {kind}: per-tensor {per_tensor:.3f}, per-token {per_token:.3f}")
+    band = {"gaussian": tol.HQ_GAUSSIAN, "lognormal": tol.HQ_LOGNORMAL_PER_TENSOR, "outlier": tol.HQ_OUTLIER}
+    assert per_tensor < band[kind]
+    assert per_token < (tol.HQ_LOGNORMAL_PER_TOKEN if kind == "lognormal" else band[kind])
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "outlier"])
+def test_hadamard_lowers_int4_error_on_outliers(kind):
+    g, w, _ = _operands(kind)
+    exact = g.double() @ w.double()
+    seeds = [torch.tensor(s) for s in range(8)]
+    with_h = sum(rel_err(ops.hq_grad_input(g, w, s), exact) for s in seeds) / len(seeds)
+    plain = sum(rel_err(ops.hq_grad_input(g, w, s, hadamard=False), exact) for s in seeds) / len(seeds)
+    print(f"INT4 {kind}: Hadamard {with_h:.3f} vs plain {plain:.3f}")
+    assert with_h < 0.75 * plain
+
+
+def test_hq_is_unbiased_over_draws():
+    g, w, _ = _operands("gaussian")
+    # The weight operand is deterministic (SAWB round-to-nearest), so the expectation over the
+    # gradient's stochastic rounding is the exact product with the dequantized transformed weight.
+    qw, sw = reference.sawb(reference.block_transform(w, reference.sylvester_hadamard(), 0), 4)
+    w_hat = reference.block_transform(qw * sw, reference.sylvester_hadamard(), 0)[:N] / 16
+    expectation = g.double() @ w_hat
+    mean = sum(ops.hq_grad_input(g, w, torch.tensor(s)).double() for s in range(tol.UNBIASED_DRAWS))
+    mean = mean / tol.UNBIASED_DRAWS
+    reached = rel_err(mean, expectation)
+    single = rel_err(ops.hq_grad_input(g, w, SEED), expectation)
+    print(f"HQ mean of {tol.UNBIASED_DRAWS} draws: rel err {reached:.4f} (one draw {single:.3f}, bound {tol.UNBIASED_MEAN})")
+    assert reached < tol.UNBIASED_MEAN
+
+
+def test_hla_is_unbiased_over_draws():
+    g, _, x = _operands("gaussian")
+    xq, xs = ops.compress_activation(x)
+    p = reference.sequency_sorted_rows(8)
+    expectation = reference.block_transform(g, p, 0).T @ (xq.double() * xs.double()) / 16
+    mean = sum(ops.hla_grad_weight(g, xq, xs, torch.tensor(s)).double() for s in range(tol.UNBIASED_DRAWS))
+    assert rel_err(mean / tol.UNBIASED_DRAWS, expectation) < tol.UNBIASED_MEAN / 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(dtype):
+    g, w, x = _operands("gaussian")
+    out = ops.hq_grad_input(g.to(dtype), w.to(dtype), SEED)
+    assert out.dtype == dtype
+    assert rel_err(out, g.double() @ w.double()) < tol.HQ_HALF_PRECISION
+    xq, xs = ops.compress_activation(x.to(dtype), rank=16)
+    gw = ops.hla_grad_weight(g.to(dtype), xq, xs, SEED, rank=16, out_dtype=torch.float32)
+    assert gw.dtype == torch.float32
+    assert rel_err(gw, g.double().T @ x.double()) < tol.HLA_FULL_RANK
+
+
+def test_zero_gradient_gives_zero_finite_output():
+    _, w, x = _operands("gaussian")
+    g = torch.zeros(L, N)
+    assert torch.equal(ops.hq_grad_input(g, w, SEED), torch.zeros(L, K))
+    xq, xs = ops.compress_activation(torch.zeros(L, K))
+    assert torch.isfinite(xs) and not xq.any()
+    assert torch.equal(ops.hla_grad_weight(g, *ops.compress_activation(x), SEED), torch.zeros(N, K))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("per_token", [False, True])
+def test_non_finite_propagates(bad, per_token):
+    g, w, x = _operands("gaussian")
+    g[17, 5] = bad
+    assert not torch.isfinite(ops.hq_grad_input(g, w, SEED, per_token=per_token)[17]).all()
+    assert not torch.isfinite(ops.hla_grad_weight(g, *ops.compress_activation(x), SEED)).all()
+    x[3, 2] = bad
+    assert not torch.isfinite(ops.hla_grad_weight(g.nan_to_num(), *ops.compress_activation(x), SEED)).all()
+    w[0, 0] = bad
+    assert not torch.isfinite(ops.hq_grad_input(g.nan_to_num(), w, SEED)).all()
+
+
+class _RecordIntMM(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._int_mm.default:
+            self.calls.append((args[0].dtype, args[1].dtype, out.dtype))
+        return out
+
+
+def test_integer_matmul_is_int8_to_int32():
+    g, w, x = _operands("gaussian")
+    with _RecordIntMM() as rec:
+        ops.hq_grad_input(g, w, SEED)
+        ops.hla_grad_weight(g, *ops.compress_activation(x), SEED)
+    assert rec.calls == [(torch.int8, torch.int8, torch.int32)] * 2
+
+
+def test_int8_matmul_rejects_float():
+    with pytest.raises(TypeError, match="int8"):
+        ops.int8_matmul(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.int8))
+
+
+def test_draw_seed_follows_manual_seed():
+    like = torch.empty(3)
+    torch.manual_seed(0)
+    a = ops.draw_seed(like)
+    torch.manual_seed(0)
+    assert ops.draw_seed(like) == a and a.dtype == torch.int64
+
+
+def test_compiled_ops_match_eager():
+    g, w, x = _operands("gaussian")
+
+    def step(g, w, x, seed):
+        xq, xs = ops.compress_activation(x)
+        return ops.hq_grad_input(g, w, seed), ops.hla_grad_weight(g, xq, xs, seed)
+
+    compiled = torch.compile(step, backend="inductor", fullgraph=True)
+    for got, want in zip(compiled(g, w, x, SEED), step(g, w, x, SEED)):
+        assert rel_err(got, want) < tol.FP32_VS_REFERENCE

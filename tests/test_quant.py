@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+from hot_compile import quant, reference
+from tests import tolerances as tol
+from tests.data import make, rel_err
+
+SEED = torch.tensor(7)
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("per_token", [False, True])
+def test_stochastic_matches_reference_and_range(bits, per_token):
+    v = make("gaussian", 33, 40)
+    q, s = quant.quantize_stochastic(v, bits, SEED, per_token=per_token)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    assert s.shape == ((33, 1) if per_token else ())
+    qm = 2 ** (bits - 1) - 1
+    assert q.abs().max() <= qm
+    ref_q, ref_s = reference.stochastic(v, bits, quant.hash_uniform(v, SEED), per_token)
+    torch.testing.assert_close(s.double(), ref_s, rtol=1e-6, atol=0)
+    assert (q.double() != ref_q).float().mean() <= tol.LEVEL_MISMATCH_FRACTION
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_sawb_and_nearest_match_reference(bits):
+    v = make("lognormal", 50, 30)
+    for fast, ref in ((quant.quantize_sawb, reference.sawb), (quant.quantize_nearest, reference.nearest)):
+        q, s = fast(v, bits)
+        ref_q, ref_s = ref(v, bits)
+        torch.testing.assert_close(s.double(), ref_s, rtol=1e-5, atol=0)
+        assert (q.double() != ref_q).float().mean() <= tol.LEVEL_MISMATCH_FRACTION
+
+
+def test_sawb_clips_below_max_on_heavy_tails():
+    v = make("lognormal", 64, 64)
+    assert quant.sawb_clip(v) < v.abs().max()
+
+
+def test_sawb_falls_back_to_max_for_constant_data():
+    v = torch.full((8, 8), 3.0)
+    assert quant.sawb_clip(v) == 3.0
+    q, s = quant.quantize_sawb(v, 4)
+    torch.testing.assert_close(quant.dequantize(q, s), v)
+
+
+@pytest.mark.parametrize("bits", [1, 9, 4.0, True])
+def test_bad_bits_rejected(bits):
+    with pytest.raises(ValueError, match="bits"):
+        quant.qmax(bits)
+
+
+def _all_quantizers(v):
+    yield quant.quantize_stochastic(v, 4, SEED)
+    yield quant.quantize_stochastic(v, 4, SEED, per_token=True)
+    yield quant.quantize_sawb(v, 4)
+    yield quant.quantize_nearest(v, 8)
+
+
+def test_zero_input_gives_zeros_and_finite_scale():
+    v = torch.zeros(5, 16)
+    for q, s in _all_quantizers(v):
+        assert not q.any()
+        assert torch.isfinite(s).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_gives_non_finite_dequantized(bad):
+    v = make("gaussian", 6, 16)
+    v[2, 3] = bad
+    for q, s in _all_quantizers(v):
+        deq = quant.dequantize(q, s)
+        assert not torch.isfinite(deq[2]).all()
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_stochastic_rounding_is_unbiased(per_token):
+    v = make("gaussian", 10, 100)
+    mean = sum(
+        quant.dequantize(*quant.quantize_stochastic(v, 4, torch.tensor(s), per_token=per_token))
+        for s in range(tol.SR_DRAWS)
+    ) / tol.SR_DRAWS
+    single = rel_err(quant.dequantize(*quant.quantize_stochastic(v, 4, SEED, per_token=per_token)), v)
+    reached = rel_err(mean, v)
+    print(f"SR mean of {tol.SR_DRAWS} draws: rel err {reached:.4f} (one draw {single:.3f}, bound {tol.SR_MEAN})")
+    assert reached < tol.SR_MEAN
+
+
+def test_hash_uniform_is_uniform_and_seeded():
+    like = torch.empty(200_000)
+    u = quant.hash_uniform(like, SEED)
+    assert u.min() >= 0 and u.max() < 1
+    counts = torch.histc(u, bins=16, min=0, max=1)
+    expected = like.numel() / 16
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 50  # 15 dof: p ≈ 1e-5
+    assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]) < 0.01
+    assert torch.equal(u, quant.hash_uniform(like, SEED))
+    assert not torch.equal(u, quant.hash_uniform(like, SEED + 1))
+    assert not torch.equal(u, quant.hash_uniform(like, SEED, salt=1))
