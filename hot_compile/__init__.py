@@ -1,5 +1,32 @@
-"""hot-compile: HOT (Hadamard-based Optimized Training) as a torch.compile backend."""
+"""hot-compile: HOT (Hadamard-based Optimized Training) as a torch.compile backend.
+
+``torch.compile(model, backend="hot")`` compiles with Inductor after rewriting the backward matmuls
+of every eligible linear layer into integer Hadamard-quantized (grad_input) and Hadamard low-rank
+(grad_weight) products, saving an int8 low-rank activation instead of the input.
+"""
+
+from importlib.metadata import PackageNotFoundError, version as _dist_version
 
 from . import hadamard, ops, quant
+from .backend import backend
+from .config import HotConfig
+from .passes import HotPassWarning, joint_pass
+from .report import Report, SiteRow, last_report
 
-__all__ = ["hadamard", "ops", "quant"]
+__all__ = [
+    "HotConfig",
+    "HotPassWarning",
+    "Report",
+    "SiteRow",
+    "backend",
+    "hadamard",
+    "joint_pass",
+    "last_report",
+    "ops",
+    "quant",
+]
+
+try:
+    __version__ = _dist_version("hot-compile")
+except PackageNotFoundError:  # imported from a source tree that is not installed
+    __version__ = "0+unknown"

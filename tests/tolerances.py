@@ -34,5 +34,7 @@ SR_MEAN = 0.012
 # Reduced-precision inputs: bf16/fp16 grad_output adds its own rounding on top of the INT4 error.
 HQ_HALF_PRECISION = 0.45
 
-# End-to-end: every parameter gradient of a compiled model vs eager fp64, per-parameter relative error.
-E2E_GRAD = 0.60
+# End-to-end: every parameter gradient of a compiled model vs eager fp64, per-parameter relative
+# error, at full rank or on token-smooth inputs (where rank 8 loses little): INT4 grad_input error
+# compounds through the layers below (measured up to 0.24 on the transformer block).
+E2E_GRAD = 0.35

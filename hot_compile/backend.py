@@ -1,0 +1,66 @@
+"""The ``hot`` torch.compile backend: Inductor with the HOT pass on the joint graph.
+
+``torch.compile(model, backend="hot", mode=..., options=...)`` reaches :func:`hot` through the
+``torch_dynamo_backends`` entry point. HOT keys of ``options`` build a :class:`HotConfig`; every other
+key, and the expansion of ``mode``, goes to Inductor as ``config_patches`` (not a ``config.patch``
+context: the backward is compiled lazily, outside any context around this call).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .config import HotConfig, split_options
+from .passes import HotJointPass, joint_pass
+
+
+def _chain_joint_passes(existing: Any, hot_pass: HotJointPass) -> list:
+    """The user's joint_custom_post_pass(es), then HOT's (a user's own HOT pass is replaced)."""
+    if existing is None:
+        existing = []
+    elif not isinstance(existing, (list, tuple)):
+        existing = [existing]
+    return [p for p in existing if not isinstance(p, HotJointPass)] + [hot_pass]
+
+
+def compile_with_hot(
+    gm: torch.fx.GraphModule,
+    example_inputs: list,
+    config: HotConfig,
+    mode: str | None = None,
+    inductor_options: dict[str, Any] | None = None,
+):
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
+    patches.update(inductor_options or {})
+    patches["joint_custom_post_pass"] = _chain_joint_passes(
+        patches.get("joint_custom_post_pass", torch._inductor.config.joint_custom_post_pass), joint_pass(config)
+    )
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def hot(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None):
+    """The ``"hot"`` backend as torch.compile calls it by name."""
+    config, inductor_options = split_options(options)
+    return compile_with_hot(gm, example_inputs, config, mode, inductor_options)
+
+
+def backend(config: HotConfig | None = None, **inductor_options: Any) -> Callable:
+    """A backend callable bound to ``config``: ``torch.compile(m, backend=hot_compile.backend(cfg))``.
+
+    Keyword arguments are Inductor config options (validated like ``options=`` of the named backend).
+    """
+    config = config or HotConfig()
+    if not isinstance(config, HotConfig):
+        raise ValueError(f"backend() takes a HotConfig, got {type(config).__name__}")
+    _, inductor_options = split_options(inductor_options)
+
+    def hot_backend(gm, example_inputs, mode=None, options=None):
+        cfg, extra = split_options(options, base=config)
+        return compile_with_hot(gm, example_inputs, cfg, mode, {**inductor_options, **extra})
+
+    return hot_backend

@@ -1,0 +1,108 @@
+"""``HotConfig``: the frozen, validated settings of the HOT rewrite."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any
+
+from .quant import MAX_BITS, MIN_BITS
+
+POLICIES = ("hot", "off")
+GX_QUANTIZERS = ("per_tensor", "per_token")
+
+
+def _fail(key: str, value: Any, accepted: str) -> None:
+    raise ValueError(f"HotConfig.{key}={value!r} is invalid: accepted values are {accepted}")
+
+
+def _as_globs(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (tuple, list)):
+        _fail(key, value, "a module-path glob or a list of globs (fnmatch syntax, e.g. 'blocks.*.mlp.*')")
+    for glob in value:
+        if not isinstance(glob, str) or not glob or glob.count("[") != glob.count("]"):
+            _fail(key, glob, "non-empty fnmatch globs with balanced [] (e.g. 'head', 'layers.*.fc?')")
+    return tuple(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class HotConfig:
+    """Settings of the HOT joint-graph rewrite.
+
+    Attributes:
+        policy: ``"hot"`` rewrites every eligible linear backward with the paper's recipe;
+            ``"off"`` leaves every graph as Inductor would compile it.
+        gx_bits: bit width of both operands of the grad_input product (HQ), 2..8.
+        gw_bits: bit width of both operands of the grad_weight product (HLA), 2..8.
+        rank: rows kept of each 16-token Walsh block for HLA/ABC, 1..16 (16 = no low-rank error).
+        gx_quantizer: scale granularity of the grad_input gradient: ``"per_tensor"`` or ``"per_token"``.
+        include: module-path globs to consider (``fnmatch`` against paths like ``blocks.0.mlp.fc1``).
+        exclude: module-path globs to leave alone; wins over ``include``.
+        strict: raise on a pass failure instead of warning and compiling the graph unchanged.
+    """
+
+    policy: str = "hot"
+    gx_bits: int = 4
+    gw_bits: int = 8
+    rank: int = 8
+    gx_quantizer: str = "per_tensor"
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            _fail("policy", self.policy, " | ".join(map(repr, POLICIES)))
+        for key in ("gx_bits", "gw_bits"):
+            value = getattr(self, key)
+            if type(value) is not int or not MIN_BITS <= value <= MAX_BITS:
+                _fail(key, value, f"an int in {MIN_BITS}..{MAX_BITS}")
+        if type(self.rank) is not int or not 1 <= self.rank <= 16:
+            _fail("rank", self.rank, "an int in 1..16")
+        if self.gx_quantizer not in GX_QUANTIZERS:
+            _fail("gx_quantizer", self.gx_quantizer, " | ".join(map(repr, GX_QUANTIZERS)))
+        if type(self.strict) is not bool:
+            _fail("strict", self.strict, "True or False")
+        object.__setattr__(self, "include", _as_globs("include", self.include))
+        object.__setattr__(self, "exclude", _as_globs("exclude", self.exclude))
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def replace(self, **changes: Any) -> HotConfig:
+        unknown = set(changes) - set(self.fields())
+        if unknown:
+            raise ValueError(f"unknown HotConfig key(s) {sorted(unknown)}: accepted keys are {list(self.fields())}")
+        return dataclasses.replace(self, **changes)
+
+    def selects(self, module_path: str) -> bool:
+        """Whether ``module_path`` passes the include/exclude globs."""
+        return any(fnmatch.fnmatchcase(module_path, g) for g in self.include) and not any(
+            fnmatch.fnmatchcase(module_path, g) for g in self.exclude
+        )
+
+
+def split_options(options: dict[str, Any] | None, base: HotConfig | None = None) -> tuple[HotConfig, dict[str, Any]]:
+    """Split ``torch.compile(options=...)`` into a HotConfig and the remaining Inductor options.
+
+    A key that is neither a HotConfig field nor an Inductor config key raises ``ValueError``.
+    """
+    import torch._inductor.config as inductor_config
+
+    hot: dict[str, Any] = {}
+    inductor: dict[str, Any] = {}
+    inductor_keys = inductor_config.get_config_copy()
+    for key, value in (options or {}).items():
+        if key in HotConfig.fields():
+            hot[key] = value
+        elif key.replace("-", "_") in inductor_keys:
+            inductor[key.replace("-", "_")] = value
+        else:
+            raise ValueError(
+                f"unknown option {key!r}: accepted are the HOT keys {list(HotConfig.fields())} "
+                "or any torch._inductor.config key"
+            )
+    return (base or HotConfig()).replace(**hot), inductor

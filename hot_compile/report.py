@@ -1,0 +1,91 @@
+"""Per-site decision rows of the HOT pass, and the report of the most recently compiled graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from typing import Any, Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteRow:
+    """One backward matmul site of one linear layer.
+
+    ``saved_bytes_before``/``after`` are the bytes the backward keeps of this layer's input activation:
+    ``x`` itself before, the int8 low-rank ``P_L x`` plus its scale after (the same compressed buffer is
+    counted on every row that shares it). Sizes under dynamic shapes use their size hints.
+    """
+
+    module: str
+    path: str  # "gx" (grad_input) or "gw" (grad_weight)
+    shape: str  # "L×N @ N×K" for gx, "N×L @ L×K" for gw
+    dtype: str
+    decision: str  # "HQ", "HLA+ABC" or "kept"
+    reason: str
+    saved_bytes_before: int | None = None
+    saved_bytes_after: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_COLUMNS = ("module", "path", "shape", "dtype", "decision", "saved_bytes_before", "saved_bytes_after", "reason")
+_HEADERS = ("module", "path", "shape", "dtype", "decision", "saved before", "saved after", "why")
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass
+class Report:
+    """The rows of one compiled graph, in graph order."""
+
+    graph: str
+    rows: list[SiteRow] = dataclasses.field(default_factory=list)
+
+    def __iter__(self) -> Iterator[SiteRow]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def select(self, *, path: str | None = None, decision: str | None = None) -> list[SiteRow]:
+        return [r for r in self.rows if (path is None or r.path == path) and (decision is None or r.decision == decision)]
+
+    def table(self) -> str:
+        """A plain-text table, one line per site."""
+        cells = [_HEADERS] + [
+            tuple(_fmt_bytes(v) if k.startswith("saved") else str(v) for k, v in ((c, getattr(r, c)) for c in _COLUMNS))
+            for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(_HEADERS))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return f"HOT report for graph {self.graph}\n" + "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"graph": self.graph, "rows": [r.as_dict() for r in self.rows]}, indent=2)
+
+
+_lock = threading.Lock()
+_last: Report | None = None
+
+
+def publish(report: Report) -> None:
+    global _last
+    with _lock:
+        _last = report
+
+
+def last_report() -> Report | None:
+    """The report of the most recent graph the HOT pass ran on in this process (None before any)."""
+    with _lock:
+        return _last

@@ -1,0 +1,33 @@
+"""grad_input → HQ: ``mm(g, W)`` becomes ``hq_grad_input(g, W, seed)`` (INT4 Hadamard quantization)."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..config import HotConfig
+from ..ops import draw_seed, hq_grad_input
+from .inline import insert_traced
+from .provenance import provenance
+from .sites import LinearSite
+
+REWRITE = "hq_grad_input"
+
+
+def rewrite_grad_input(graph: fx.Graph, site: LinearSite, config: HotConfig, created: list[fx.Node]) -> fx.Node:
+    """Insert the HQ computation of ``site``'s grad_input; returns the node to stand in for the mm."""
+    use = site.grad_input
+
+    def hq(grad, weight):
+        g = grad.t() if use.grad_transposed else grad
+        out = hq_grad_input(
+            g,
+            weight,
+            draw_seed(g),
+            grad_bits=config.gx_bits,
+            weight_bits=config.gx_bits,
+            per_token=config.gx_quantizer == "per_token",
+        )
+        return out.t() if use.out_transposed else out
+
+    meta = provenance(REWRITE, site.module_path, "gx", use.node, "backward")
+    return insert_traced(graph, hq, [use.grad, site.weight], before=use.node, meta=meta, created=created)

@@ -1,0 +1,61 @@
+"""grad_weight → HLA with activation buffer compression (ABC).
+
+The forward gains ``(x_q, s_x) = compress_activation(x2d)`` right after ``x2d``, marked MUST_SAVE so
+the partitioner saves the int8 low-rank buffer rather than recomputing it from ``x`` in the backward;
+linears that share an input share one compressed buffer. The backward ``mm(gᵀ, x2d)`` becomes
+``hla_grad_weight(g, x_q, s_x, seed)``.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..config import HotConfig
+from ..ops import compress_activation, draw_seed, hla_grad_weight
+from .inline import insert_traced
+from .provenance import provenance
+from .sites import LinearSite, same_value
+
+COMPRESS = "compress_activation"
+REWRITE = "hla_grad_weight"
+
+
+class CompressedActivations:
+    """One compressed buffer per distinct forward input (q, k and v projections share theirs)."""
+
+    def __init__(self, graph: fx.Graph, config: HotConfig, created: list[fx.Node]):
+        self.graph, self.config, self.created = graph, config, created
+        self.entries: list[tuple[fx.Node, tuple[fx.Node, fx.Node]]] = []
+
+    def get(self, site: LinearSite) -> tuple[fx.Node, fx.Node]:
+        for x2d, buffers in self.entries:
+            if same_value(x2d, site.x2d):
+                return buffers
+
+        def compress(x):
+            return compress_activation(x, rank=self.config.rank, bits=self.config.gw_bits)
+
+        meta = provenance(COMPRESS, site.module_path, "gw", site.x2d, "forward")
+        buffers = insert_traced(self.graph, compress, [site.x2d], before=site.x2d.next, meta=meta, created=self.created)
+        for node in buffers:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        self.entries.append((site.x2d, buffers))
+        return buffers
+
+
+def rewrite_grad_weight(
+    graph: fx.Graph, site: LinearSite, config: HotConfig, compressed: CompressedActivations, created: list[fx.Node]
+) -> fx.Node:
+    """Insert the HLA computation of ``site``'s grad_weight; returns the node to stand in for the mm."""
+    use = site.grad_weight
+    x_q, x_scale = compressed.get(site)
+    out_dtype = use.node.meta["val"].dtype
+
+    def hla(grad, xq, xs):
+        g = grad.t() if use.grad_transposed else grad
+        out = hla_grad_weight(g, xq, xs, draw_seed(g), rank=config.rank, bits=config.gw_bits, out_dtype=out_dtype)
+        return out.t() if use.out_transposed else out
+
+    meta = provenance(REWRITE, site.module_path, "gw", use.node, "backward")
+    return insert_traced(graph, hla, [use.grad, x_q, x_scale], before=use.node, meta=meta, created=created)

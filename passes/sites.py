@@ -1,0 +1,193 @@
+"""Find the backward matmul sites of every linear layer in an AOTAutograd joint graph.
+
+A linear layer appears in the forward as ``addmm(b, x2d, permute(W))`` or ``mm(x2d, permute(W))``
+(``x2d`` the input flattened to ``[L, K]``, ``W: [N, K]`` a graph input, possibly cast). Its backward
+holds up to two ``mm`` nodes, recognised by operand identity through transposes and views:
+
+* grad_input  ``mm(g, W)`` → ``[L, K]``  (or its transpose ``mm(Wᵀ, gᵀ)``);
+* grad_weight ``mm(gᵀ, x2d)`` → ``[N, K]`` (or its transpose ``mm(x2dᵀ, g)``).
+
+Nothing here mutates the graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_LINEAR_OPS = (aten.addmm.default, aten.mm.default)
+_TRANSPOSE_OPS = (aten.permute.default, aten.t.default, aten.transpose.int)
+_VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default)
+_CAST_OPS = (prims.convert_element_type.default, aten._to_copy.default)
+
+
+@dataclasses.dataclass
+class MatmulUse:
+    """A backward ``mm`` computing one of a linear's gradients.
+
+    ``grad`` is the operand holding the upstream gradient: ``g [L, N]``, or ``gᵀ`` when
+    ``grad_transposed``. ``out_transposed`` means the mm yields the transpose of the gradient product
+    (``[K, L]`` for grad_input, ``[K, N]`` for grad_weight).
+    """
+
+    node: fx.Node
+    grad: fx.Node
+    grad_transposed: bool
+    out_transposed: bool
+
+
+@dataclasses.dataclass
+class LinearSite:
+    linear: fx.Node  # forward addmm / mm
+    x2d: fx.Node  # forward input, [L, K]
+    weight: fx.Node  # the weight as [N, K] (after any cast), before the forward's transpose
+    module_path: str
+    grad_input: MatmulUse | None = None
+    grad_weight: MatmulUse | None = None
+
+    @property
+    def shapes(self) -> tuple:
+        """(L, N, K) as ints or SymInts."""
+        (l, k), (n, _) = self.x2d.meta["val"].shape, self.weight.meta["val"].shape
+        return l, n, k
+
+
+def _val(node: fx.Node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def strip_transposes(node: fx.Node) -> tuple[fx.Node, bool]:
+    """Follow 2-D transposes back to their source; returns (source, whether an odd number was seen)."""
+    flipped = False
+    while node.op == "call_function" and node.target in _TRANSPOSE_OPS:
+        if node.target is aten.permute.default and list(node.args[1]) not in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
+            break
+        if node.target is aten.transpose.int and sorted(d % 2 for d in node.args[1:3]) != [0, 1]:
+            break
+        src = node.args[0]
+        if not isinstance(src, fx.Node) or _val(src) is None or _val(src).dim() != 2:
+            break
+        node, flipped = src, not flipped
+    return node, flipped
+
+
+def _view_root(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target in _VIEW_OPS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def same_value(a: fx.Node, b: fx.Node) -> bool:
+    """Two nodes hold the same values: identical, or row-major reshapes of one tensor to one shape."""
+    if a is b:
+        return True
+    va, vb = _val(a), _val(b)
+    return (
+        va is not None
+        and vb is not None
+        and _view_root(a) is _view_root(b)
+        and tuple(va.shape) == tuple(vb.shape)
+        and va.dtype == vb.dtype
+    )
+
+
+def _weight_source(node: fx.Node) -> fx.Node:
+    """The graph input a weight comes from, through casts and views (autocast inserts a cast)."""
+    while node.op == "call_function" and node.target in _CAST_OPS + _VIEW_OPS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+_ITEM = re.compile(r"\._modules\['([^']*)'\]|\['([^']*)'\]|\[(\d+)\]")
+
+
+def module_path(node: fx.Node) -> str:
+    """The dotted module path (``blocks.0.mlp.fc1``) of the innermost module that created ``node``;
+    ``""`` for code in the compiled module's own ``forward``."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    raw = list(stack.values())[-1][0]
+    path = _ITEM.sub(lambda m: "." + next(g for g in m.groups() if g is not None), _ROOT.sub("", raw))
+    return path.lstrip(".")
+
+
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that depend on a tangent input: the backward region of a joint graph."""
+    region: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+            a in region for a in node.all_input_nodes
+        ):
+            region.add(node)
+    return region
+
+
+def _linear_operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(x2d, weight [N, K]) of a forward linear, or None if ``node`` is no linear."""
+    mat1, mat2 = (node.args[1], node.args[2]) if node.target is aten.addmm.default else node.args[:2]
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    weight, flipped = strip_transposes(mat2)
+    if not flipped or _weight_source(weight).op != "placeholder":
+        return None
+    return mat1, weight
+
+
+def _from_same_op(mm: fx.Node, site: LinearSite) -> bool:
+    # Autograd copies the forward op's seq_nr onto its backward nodes; it tells apart linears that
+    # share an input (q, k, v) or a weight (tied embeddings).
+    fwd, bwd = site.linear.meta.get("seq_nr"), mm.meta.get("seq_nr")
+    return fwd is None or bwd is None or fwd == bwd
+
+
+def _classify(mm: fx.Node, site: LinearSite) -> tuple[str, MatmulUse] | None:
+    if not _from_same_op(mm, site):
+        return None
+    a, b = mm.args[:2]
+    (sa, fa), (sb, fb) = strip_transposes(a), strip_transposes(b)
+    # grad_input: g @ W  or  Wᵀ @ gᵀ
+    if sb is site.weight and not fb:
+        return "gx", MatmulUse(mm, a, grad_transposed=False, out_transposed=False)
+    if sa is site.weight and fa:
+        return "gx", MatmulUse(mm, b, grad_transposed=True, out_transposed=True)
+    # grad_weight: gᵀ @ x2d  or  x2dᵀ @ g
+    if same_value(sb, site.x2d) and not fb:
+        return "gw", MatmulUse(mm, a, grad_transposed=True, out_transposed=False)
+    if same_value(sa, site.x2d) and fa:
+        return "gw", MatmulUse(mm, b, grad_transposed=False, out_transposed=True)
+    return None
+
+
+def find_linear_sites(graph: fx.Graph) -> list[LinearSite]:
+    """Every forward linear of the joint graph with its backward gradient matmuls."""
+    backward = backward_nodes(graph)
+    sites: list[LinearSite] = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _LINEAR_OPS or node in backward:
+            continue
+        operands = _linear_operands(node)
+        if operands is not None:
+            sites.append(LinearSite(node, operands[0], operands[1], module_path(node)))
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.mm.default or node not in backward:
+            continue
+        for site in sites:
+            found = _classify(node, site)
+            if found is None:
+                continue
+            kind, use = found
+            if kind == "gx" and site.grad_input is None:
+                site.grad_input = use
+                break
+            if kind == "gw" and site.grad_weight is None:
+                site.grad_weight = use
+                break
+    return sites

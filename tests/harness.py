@@ -1,0 +1,51 @@
+"""Compile a model with the HOT pass via AOTAutograd alone (no Inductor), keeping its graphs."""
+
+from __future__ import annotations
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
+
+from hot_compile import HotConfig
+from hot_compile.passes import HotJointPass
+
+
+class Graphs:
+    """The joint graph after the pass and the partitioned forward/backward of the last compile."""
+
+    joint: torch.fx.GraphModule
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+
+    def nodes(self, which: str, target=None):
+        return [n for n in getattr(self, which).graph.nodes if target is None or n.target == target]
+
+    def saved(self) -> list:
+        """The values the forward saves for the backward (its outputs past the user outputs)."""
+        inputs = [n for n in self.backward.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        return [n.meta["val"] for n in inputs if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def aot_compile(model, config: HotConfig | None = None, pass_cls=HotJointPass, **compile_kwargs):
+    """``torch.compile`` with an aot_autograd backend running the HOT pass on the joint graph, then the
+    min-cut partitioner, with Inductor's decompositions but no Inductor codegen."""
+    graphs = Graphs()
+    hot_pass = graphs.hot_pass = pass_cls(config or HotConfig(strict=True))
+
+    def partition(joint, inputs, **kwargs):
+        hot_pass(joint.graph)
+        joint.graph.lint()
+        joint.recompile()
+        graphs.joint = joint
+        graphs.forward, graphs.backward = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        return graphs.forward, graphs.backward
+
+    def boxed(gm, _):
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(
+        fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition, decompositions=select_decomp_table()
+    )
+    return torch.compile(model, backend=backend, **compile_kwargs), graphs

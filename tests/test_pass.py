@@ -1,0 +1,212 @@
+"""The HOT pass on real joint graphs through AOTAutograd (no Inductor codegen)."""
+
+import importlib
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hot_compile
+from hot_compile import HotConfig
+from hot_compile.passes import provenance
+from tests import tolerances as tol
+from tests.data import make
+from tests.harness import aot_compile
+from tests.models import MLP, Block, grad_errors
+
+aten = torch.ops.aten
+STRICT = HotConfig(strict=True)
+
+
+def _smooth(batch, tokens, dim, seed=0):
+    return make("smooth", batch * tokens, dim, seed).reshape(batch, tokens, dim)
+
+
+def _rows(path=None, decision=None):
+    return hot_compile.last_report().select(path=path, decision=decision)
+
+
+def _run(model, x, config=STRICT):
+    compiled, graphs = aot_compile(model, config)
+    compiled(x).square().mean().backward()
+    return graphs
+
+
+@pytest.mark.parametrize("shape", [(200, 32), (4, 50, 32), (2, 2, 50, 32)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_linear_gets_gx_and_gw(shape, bias):
+    x = torch.randn(*shape, requires_grad=True)
+    graphs = _run(MLP(bias=bias), x)
+    assert {(r.module, r.path, r.decision) for r in hot_compile.last_report()} == {
+        ("fc1", "gx", "HQ"),
+        ("fc1", "gw", "HLA+ABC"),
+        ("fc2", "gx", "HQ"),
+        ("fc2", "gw", "HLA+ABC"),
+    }
+    assert len(graphs.nodes("backward", aten._int_mm.default)) == 4
+    assert not graphs.nodes("backward", aten.mm.default)
+
+
+def test_functional_linear_and_module_paths():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(24, 32) / 6)
+            self.layers = nn.ModuleList([nn.Linear(24, 24) for _ in range(2)])
+
+        def forward(self, x):
+            x = F.linear(x, self.w)
+            for layer in self.layers:
+                x = layer(x).relu()
+            return x
+
+    _run(Net(), torch.randn(3, 40, 32))
+    print(hot_compile.last_report().table())
+    assert {r.module for r in hot_compile.last_report()} == {"", "layers.0", "layers.1"}
+    assert len(hot_compile.last_report()) == 5  # first layer: input has no grad → no gx
+
+
+def test_input_without_grad_and_frozen_weight():
+    model = MLP()
+    model.fc2.weight.requires_grad_(False)
+    _run(model, torch.randn(4, 50, 32))
+    rows = {(r.module, r.path) for r in hot_compile.last_report()}
+    assert rows == {("fc1", "gw"), ("fc2", "gx")}
+    assert model.fc1.weight.grad is not None and model.fc2.weight.grad is None
+
+
+def test_transformer_block_leaves_attention_alone_and_shares_qkv_buffer():
+    graphs = _run(Block(), _smooth(2, 40, 32))
+    assert len(_rows("gw", "HLA+ABC")) == 6 and len(_rows("gx", "HQ")) == 6
+    # attention products stay batched float matmuls
+    bmms = graphs.nodes("backward", aten.bmm.default)
+    assert bmms and all(n.meta["val"].dtype == torch.float32 for n in bmms)
+    int8_saved = [v for v in graphs.saved() if v.dtype == torch.int8]
+    # q, k, v share one input: 4 distinct compressed buffers (qkv, proj, fc1, fc2), not 6
+    assert len(int8_saved) == 4
+
+
+def test_abc_saves_int8_and_no_float_input():
+    graphs = _run(MLP(32, 256, 32), torch.randn(8, 96, 32))
+    saved = graphs.saved()
+    int8 = [v for v in saved if v.dtype == torch.int8]
+    assert sorted(tuple(v.shape) for v in int8) == [(384, 32), (384, 256)]
+    # fc2's input (the GELU output, 768×256) is not saved; fc1's GELU input is (GELU backward needs it)
+    float_acts = [tuple(v.shape) for v in saved if v.dtype == torch.float32 and v.dim() == 2 and v.shape[0] == 768]
+    assert float_acts == [(768, 256)]
+    for row in _rows("gw"):
+        print(f"{row.module}: saved {row.saved_bytes_before} B → {row.saved_bytes_after} B")
+        assert row.saved_bytes_after * 7 < row.saved_bytes_before
+
+
+def test_report_names_a_backward_reader_of_x():
+    class GatedNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.fc1(x).relu()
+            return self.fc2(h) * h  # mul's backward needs h, fc2's input, together with the gradient
+
+    graphs = _run(GatedNet(), torch.randn(64, 16))
+    (fc2,) = [r for r in _rows("gw") if r.module == "fc2"]
+    assert "still read by backward" in fc2.reason and fc2.saved_bytes_after > fc2.saved_bytes_before
+    assert (64, 64) in [tuple(v.shape) for v in graphs.saved() if v.dtype == torch.float32]
+    # ReLU alone does not keep it: its backward mask is computed in the forward
+    (fc1,) = [r for r in _rows("gw") if r.module == "fc1"]
+    assert "still read" not in fc1.reason
+
+
+def test_every_created_node_has_provenance_and_metadata():
+    graphs = _run(MLP(), torch.randn(4, 50, 32))
+    created = [n for n in graphs.joint.graph.nodes if provenance.META_KEY in n.meta]
+    assert created
+    for node in created:
+        assert "val" in node.meta
+        info = node.meta[provenance.META_KEY]
+        assert info["rewrite"] in ("hq_grad_input", "hla_grad_weight", "compress_activation")
+        assert info["module"] in ("fc1", "fc2") and info["path"] in ("gx", "gw")
+
+
+@pytest.mark.parametrize(
+    "config,kept",
+    [
+        (STRICT.replace(policy="off"), 4),
+        (STRICT.replace(exclude=("fc2",)), 2),
+        (STRICT.replace(include=("fc2",)), 2),
+    ],
+)
+def test_policy_off_and_globs_keep_sites(config, kept):
+    graphs = _run(MLP(), torch.randn(4, 50, 32, requires_grad=True), config)
+    assert len(_rows(decision="kept")) == kept
+    assert len(graphs.nodes("backward", aten.mm.default)) == kept
+
+
+def test_float64_linear_is_kept_with_reason():
+    _run(MLP().double(), torch.randn(4, 50, 32, dtype=torch.float64, requires_grad=True))
+    rows = hot_compile.last_report().rows
+    assert rows and all(r.decision == "kept" and "float64" in r.reason for r in rows)
+
+
+@pytest.mark.parametrize("config", [STRICT.replace(rank=16), STRICT.replace(rank=16, gx_quantizer="per_token")])
+def test_grads_within_band_full_rank(config):
+    torch.manual_seed(0)
+    model = Block()
+    compiled, _ = aot_compile(model, config)
+    errors = grad_errors(model, compiled, torch.randn(2, 48, 32))
+    print({k: round(v, 3) for k, v in errors.items()})
+    assert max(errors.values()) < tol.E2E_GRAD
+
+
+def test_grads_within_band_default_rank_on_token_smooth_input():
+    torch.manual_seed(0)
+    model = MLP()
+    compiled, _ = aot_compile(model, STRICT)
+    errors = grad_errors(model, compiled, _smooth(4, 64, 32))
+    print({k: round(v, 3) for k, v in errors.items()})
+    assert max(errors.values()) < tol.E2E_GRAD
+
+
+class _FailingPass(hot_compile.passes.HotJointPass):
+    """Fails after the first rewrite inserted its nodes: exercises the roll-back."""
+
+    def __call__(self, graph):
+        module = importlib.import_module("hot_compile.passes.rewrite_grad_weight")
+        original = module.compress_activation
+        calls = []
+
+        def fail_on_second(*args, **kwargs):
+            calls.append(1)
+            if len(calls) > 1:
+                raise RuntimeError("injected failure")
+            return original(*args, **kwargs)
+
+        module.compress_activation = fail_on_second
+        try:
+            before = [n.format_node() for n in graph.nodes]
+            super().__call__(graph)
+            self.unchanged = before == [n.format_node() for n in graph.nodes]
+        finally:
+            module.compress_activation = original
+
+
+def test_pass_failure_leaves_graph_unchanged_and_warns():
+    model = MLP()
+    compiled, graphs = aot_compile(model, HotConfig(), pass_cls=_FailingPass)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(4, 50, 32)).sum().backward()
+    messages = [str(w.message) for w in caught if issubclass(w.category, hot_compile.HotPassWarning)]
+    assert len(messages) == 1 and "injected failure" in messages[0]
+    assert graphs.hot_pass.unchanged
+    assert len(graphs.nodes("backward", aten.mm.default)) == 4
+    assert model.fc1.weight.grad is not None
+
+
+def test_pass_failure_raises_when_strict():
+    compiled, _ = aot_compile(MLP(), STRICT, pass_cls=_FailingPass)
+    with pytest.raises(Exception, match="injected failure"):
+        compiled(torch.randn(4, 50, 32)).sum().backward()
