@@ -202,7 +202,7 @@ def test_pass_failure_leaves_graph_unchanged_and_warns():
     messages = [str(w.message) for w in caught if issubclass(w.category, hot_compile.HotPassWarning)]
     assert len(messages) == 1 and "injected failure" in messages[0]
     assert graphs.hot_pass.unchanged
-    assert len(graphs.nodes("backward", aten.mm.default)) == 4
+    assert len(graphs.nodes("backward", aten.mm.default)) == 3  # the input needs no grad: no fc1 gx
     assert model.fc1.weight.grad is not None
 
 
