@@ -120,13 +120,18 @@ def module_path(node: fx.Node) -> str:
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes that depend on a tangent input: the backward region of a joint graph."""
+    """Nodes that depend on a tangent input: the backward region of a joint graph.
+
+    Found by walking users, not node order: earlier joint passes (Inductor's pattern replacements)
+    may leave the graph out of topological order until its final sort.
+    """
     region: set[fx.Node] = set()
-    for node in graph.nodes:
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
-            a in region for a in node.all_input_nodes
-        ):
+    frontier = [n for n in graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+    while frontier:
+        node = frontier.pop()
+        if node not in region:
             region.add(node)
+            frontier.extend(node.users)
     return region
 
 

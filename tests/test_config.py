@@ -1,0 +1,70 @@
+import pytest
+
+import hot_compile
+from hot_compile import HotConfig
+from hot_compile.config import split_options
+
+
+def test_defaults_are_the_paper_recipe():
+    cfg = HotConfig()
+    assert (cfg.policy, cfg.gx_bits, cfg.gw_bits, cfg.rank, cfg.gx_quantizer) == ("hot", 4, 8, 8, "per_tensor")
+
+
+def test_frozen():
+    with pytest.raises(Exception):
+        HotConfig().rank = 4
+
+
+@pytest.mark.parametrize(
+    "key,value,accepted",
+    [
+        ("policy", "fast", "'hot'"),
+        ("gx_bits", 1, "2..8"),
+        ("gw_bits", 9, "2..8"),
+        ("gx_bits", 4.0, "2..8"),
+        ("rank", 0, "1..16"),
+        ("rank", 17, "1..16"),
+        ("rank", True, "1..16"),
+        ("gx_quantizer", "per_channel", "'per_token'"),
+        ("include", "", "globs"),
+        ("exclude", ["blocks.[0"], "globs"),
+        ("exclude", 3, "glob"),
+        ("strict", "yes", "True or False"),
+    ],
+)
+def test_bad_values_name_key_and_accepted(key, value, accepted):
+    with pytest.raises(ValueError, match=key) as err:
+        HotConfig(**{key: value})
+    assert accepted in str(err.value)
+
+
+def test_globs_normalized_to_tuples_and_select():
+    cfg = HotConfig(include="blocks.*", exclude=["blocks.0.*", "*.head"])
+    assert cfg.include == ("blocks.*",) and cfg.exclude == ("blocks.0.*", "*.head")
+    assert cfg.selects("blocks.1.fc1")
+    assert not cfg.selects("blocks.0.fc1")
+    assert not cfg.selects("stem")
+
+
+def test_split_options_routes_keys():
+    cfg, inductor = split_options({"rank": 4, "epilogue_fusion": False, "max-autotune": False})
+    assert cfg.rank == 4
+    assert inductor == {"epilogue_fusion": False, "max_autotune": False}
+
+
+def test_unknown_option_names_key_and_accepted():
+    with pytest.raises(ValueError, match="'rnak'.*rank"):
+        split_options({"rnak": 4})
+
+
+def test_backend_factory_validates():
+    with pytest.raises(ValueError, match="HotConfig"):
+        hot_compile.backend({"rank": 4})
+    with pytest.raises(ValueError, match="no_such_option"):
+        hot_compile.backend(HotConfig(), no_such_option=1)
+
+
+def test_joint_pass_uuid_tracks_config():
+    a, b = hot_compile.joint_pass(HotConfig()), hot_compile.joint_pass(HotConfig(gx_bits=8))
+    assert a.uuid() != b.uuid()
+    assert a.uuid() == hot_compile.joint_pass(HotConfig()).uuid()
