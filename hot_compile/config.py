@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
 from typing import Any
 
 from .quant import MAX_BITS, MIN_BITS
@@ -41,6 +42,7 @@ class HotConfig:
         include: module-path globs to consider (``fnmatch`` against paths like ``blocks.0.mlp.fc1``).
         exclude: module-path globs to leave alone; wins over ``include``.
         strict: raise on a pass failure instead of warning and compiling the graph unchanged.
+        dump_dir: folder for per-graph dumps of what the pass did (default: env ``HOT_DUMP_DIR``).
     """
 
     policy: str = "hot"
@@ -51,6 +53,7 @@ class HotConfig:
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     strict: bool = False
+    dump_dir: str | None = dataclasses.field(default_factory=lambda: os.environ.get("HOT_DUMP_DIR") or None)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -65,6 +68,10 @@ class HotConfig:
             _fail("gx_quantizer", self.gx_quantizer, " | ".join(map(repr, GX_QUANTIZERS)))
         if type(self.strict) is not bool:
             _fail("strict", self.strict, "True or False")
+        if self.dump_dir is not None:
+            if not isinstance(self.dump_dir, (str, os.PathLike)) or not os.fspath(self.dump_dir):
+                _fail("dump_dir", self.dump_dir, "None or a non-empty folder path")
+            object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
         object.__setattr__(self, "include", _as_globs("include", self.include))
         object.__setattr__(self, "exclude", _as_globs("exclude", self.exclude))
 
