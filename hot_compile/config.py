@@ -41,6 +41,10 @@ class HotConfig:
         gx_quantizer: scale granularity of the grad_input gradient: ``"per_tensor"`` or ``"per_token"``.
         include: module-path globs to consider (``fnmatch`` against paths like ``blocks.0.mlp.fc1``).
         exclude: module-path globs to leave alone; wins over ``include``.
+        rewrite_gx: rewrite grad_input products (HQ); off leaves them to Inductor.
+        rewrite_gw: rewrite grad_weight products (HLA with ABC); off leaves them and ``x`` as they were.
+        hadamard: transform before quantizing in HQ; off quantizes ``g`` and ``W`` as they are (plain
+            INT4, the baseline the paper argues against).
         strict: raise on a pass failure instead of warning and compiling the graph unchanged.
         dump_dir: folder for per-graph dumps of what the pass did (default: env ``HOT_DUMP_DIR``).
     """
@@ -52,6 +56,9 @@ class HotConfig:
     gx_quantizer: str = "per_tensor"
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
+    rewrite_gx: bool = True
+    rewrite_gw: bool = True
+    hadamard: bool = True
     strict: bool = False
     dump_dir: str | None = dataclasses.field(default_factory=lambda: os.environ.get("HOT_DUMP_DIR") or None)
 
@@ -66,8 +73,9 @@ class HotConfig:
             _fail("rank", self.rank, "an int in 1..16")
         if self.gx_quantizer not in GX_QUANTIZERS:
             _fail("gx_quantizer", self.gx_quantizer, " | ".join(map(repr, GX_QUANTIZERS)))
-        if type(self.strict) is not bool:
-            _fail("strict", self.strict, "True or False")
+        for key in ("rewrite_gx", "rewrite_gw", "hadamard", "strict"):
+            if type(getattr(self, key)) is not bool:
+                _fail(key, getattr(self, key), "True or False")
         if self.dump_dir is not None:
             if not isinstance(self.dump_dir, (str, os.PathLike)) or not os.fspath(self.dump_dir):
                 _fail("dump_dir", self.dump_dir, "None or a non-empty folder path")

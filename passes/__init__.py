@@ -63,10 +63,10 @@ def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Re
     replacements: list[tuple[fx.Node, fx.Node]] = []
     try:
         for site in sites:
-            decision = decide(site.module_path, config)
             for path, use in (("gx", site.grad_input), ("gw", site.grad_weight)):
                 if use is None:
                     continue
+                decision = decide(site.module_path, path, config)
                 illegal = why_illegal(site, use)
                 if illegal or not decision.rewrite:
                     planned.append((site, path, "kept", illegal or decision.reason))

@@ -13,9 +13,11 @@ class Decision:
     reason: str
 
 
-def decide(module_path: str, config: HotConfig) -> Decision:
+def decide(module_path: str, path: str, config: HotConfig) -> Decision:
     if config.policy == "off":
         return Decision(False, "policy='off'")
+    if not (config.rewrite_gx if path == "gx" else config.rewrite_gw):
+        return Decision(False, f"rewrite_{path}=False")
     if not config.selects(module_path):
         return Decision(False, "excluded by include/exclude globs")
     return Decision(True, "policy='hot': the paper's recipe")

@@ -26,6 +26,7 @@ def rewrite_grad_input(graph: fx.Graph, site: LinearSite, config: HotConfig, cre
             grad_bits=config.gx_bits,
             weight_bits=config.gx_bits,
             per_token=config.gx_quantizer == "per_token",
+            hadamard=config.hadamard,
         )
         return out.t() if use.out_transposed else out
 

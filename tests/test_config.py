@@ -30,6 +30,7 @@ def test_frozen():
         ("exclude", ["blocks.[0"], "globs"),
         ("exclude", 3, "glob"),
         ("strict", "yes", "True or False"),
+        ("hadamard", 1, "True or False"),
     ],
 )
 def test_bad_values_name_key_and_accepted(key, value, accepted):

@@ -137,6 +137,8 @@ def test_every_created_node_has_provenance_and_metadata():
         (STRICT.replace(policy="off"), 4),
         (STRICT.replace(exclude=("fc2",)), 2),
         (STRICT.replace(include=("fc2",)), 2),
+        (STRICT.replace(rewrite_gx=False), 2),
+        (STRICT.replace(rewrite_gw=False), 2),
     ],
 )
 def test_policy_off_and_globs_keep_sites(config, kept):
