@@ -15,10 +15,27 @@ def _version(_: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_device(args: argparse.Namespace) -> int:
+    from . import devices
+
+    profile = devices.calibrate(size=args.size, repeats=args.repeats)
+    print(profile.to_json())
+    if not args.no_save:
+        print(f"saved to {devices.save_calibrated(profile)}; the cost model uses it on this machine")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hot-compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("version", help="print the versions of hot-compile and torch").set_defaults(run=_version)
+    calibrate = sub.add_parser(
+        "calibrate-device", help="measure this CPU's matmul, int8 and memory rates for the cost model"
+    )
+    calibrate.add_argument("--size", type=int, default=1024, help="matmul size of the micro-benchmarks")
+    calibrate.add_argument("--repeats", type=int, default=7, help="timed repeats per micro-benchmark (median)")
+    calibrate.add_argument("--no-save", action="store_true", help="print the profile without caching it")
+    calibrate.set_defaults(run=_calibrate_device)
     return parser
 
 

@@ -9,7 +9,9 @@ from typing import Any
 
 from .quant import MAX_BITS, MIN_BITS
 
-POLICIES = ("hot", "off")
+POLICIES = ("balanced", "hot", "speed", "memory", "off")
+# Keys a per-module override may set.
+OVERRIDABLE = ("policy", "gx_bits", "gw_bits", "rank", "gx_quantizer", "rewrite_gx", "rewrite_gw", "hadamard", "max_slowdown")
 GX_QUANTIZERS = ("per_tensor", "per_token")
 
 
@@ -33,8 +35,17 @@ class HotConfig:
     """Settings of the HOT joint-graph rewrite.
 
     Attributes:
-        policy: ``"hot"`` rewrites every eligible linear backward with the paper's recipe;
-            ``"off"`` leaves every graph as Inductor would compile it.
+        policy: which legal sites to rewrite, judged by the cost model (``passes/cost_model.py``):
+            ``"balanced"`` the paper's recipe unless estimated more than ``max_slowdown`` slower;
+            ``"hot"`` the paper's recipe everywhere; ``"speed"`` only where estimated faster;
+            ``"memory"`` every grad_weight (to compress its saved activation) and grad_input where
+            faster; ``"off"`` nothing: graphs compile as Inductor alone would.
+        max_slowdown: the bound of ``"balanced"``: a site is kept when its HOT estimate exceeds
+            ``(1 + max_slowdown)`` times the original's.
+        overrides: per-module settings, ``{glob: {key: value}}`` with keys among
+            ``OVERRIDABLE``; every glob matching a module path applies, later entries winning.
+        device_profile: cost-model profile: ``"auto"`` (the calibrated one of this machine, else the
+            built-in one matching the device), ``"calibrated"``, or a built-in profile name.
         gx_bits: bit width of both operands of the grad_input product (HQ), 2..8.
         gw_bits: bit width of both operands of the grad_weight product (HLA), 2..8.
         rank: rows kept of each 16-token Walsh block for HLA/ABC, 1..16 (16 = no low-rank error).
@@ -49,7 +60,10 @@ class HotConfig:
         dump_dir: folder for per-graph dumps of what the pass did (default: env ``HOT_DUMP_DIR``).
     """
 
-    policy: str = "hot"
+    policy: str = "balanced"
+    max_slowdown: float = 0.25
+    overrides: tuple = ()
+    device_profile: str = "auto"
     gx_bits: int = 4
     gw_bits: int = 8
     rank: int = 8
@@ -65,6 +79,9 @@ class HotConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             _fail("policy", self.policy, " | ".join(map(repr, POLICIES)))
+        if isinstance(self.max_slowdown, bool) or not isinstance(self.max_slowdown, (int, float)) or not self.max_slowdown >= 0:
+            _fail("max_slowdown", self.max_slowdown, "a number >= 0")
+        self._validate_profile()
         for key in ("gx_bits", "gw_bits"):
             value = getattr(self, key)
             if type(value) is not int or not MIN_BITS <= value <= MAX_BITS:
@@ -82,6 +99,44 @@ class HotConfig:
             object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
         object.__setattr__(self, "include", _as_globs("include", self.include))
         object.__setattr__(self, "exclude", _as_globs("exclude", self.exclude))
+        object.__setattr__(self, "overrides", self._normalized_overrides())
+
+    def _validate_profile(self) -> None:
+        from .devices import BUILTIN_PROFILES
+
+        accepted = ("auto", "calibrated", *BUILTIN_PROFILES)
+        if self.device_profile not in accepted:
+            _fail("device_profile", self.device_profile, " | ".join(map(repr, accepted)))
+
+    def _normalized_overrides(self) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+        """``overrides`` as a hashable tuple of ``(glob, ((key, value), ...))`` in the given order."""
+        entries = self.overrides.items() if isinstance(self.overrides, dict) else self.overrides
+        if not isinstance(entries, (tuple, list, type({}.items()))):
+            _fail("overrides", self.overrides, "a dict {glob: {key: value}} or a list of (glob, dict) pairs")
+        normalized = []
+        for entry in entries:
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+                _fail("overrides", entry, "(glob, {key: value}) pairs")
+            glob, values = entry
+            (glob,) = _as_globs("overrides", glob)
+            values = dict(values)
+            bad = sorted(set(values) - set(OVERRIDABLE))
+            if bad:
+                _fail(f"overrides[{glob!r}]", bad, f"keys among {list(OVERRIDABLE)}")
+            try:
+                dataclasses.replace(self, overrides=(), **values)  # validates each value as its field
+            except ValueError as err:
+                raise ValueError(f"HotConfig.overrides[{glob!r}]: {err}") from None
+            normalized.append((glob, tuple(sorted(values.items()))))
+        return tuple(normalized)
+
+    def for_module(self, module_path: str) -> HotConfig:
+        """This config with every override whose glob matches ``module_path`` applied in order."""
+        changes: dict[str, Any] = {}
+        for glob, values in self.overrides:
+            if fnmatch.fnmatchcase(module_path, glob):
+                changes.update(values)
+        return dataclasses.replace(self, **changes) if changes else self
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

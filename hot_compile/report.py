@@ -14,7 +14,8 @@ class SiteRow:
 
     ``saved_bytes_before``/``after`` are the bytes the backward keeps of this layer's input activation:
     ``x`` itself before, the int8 low-rank ``P_L x`` plus its scale after (the same compressed buffer is
-    counted on every row that shares it). Sizes under dynamic shapes use their size hints.
+    counted on every row that shares it). ``est_*_ms`` are the cost model's estimates of the original
+    product and of its HOT variant. Sizes under dynamic shapes use their size hints.
     """
 
     module: str
@@ -25,13 +26,26 @@ class SiteRow:
     reason: str
     saved_bytes_before: int | None = None
     saved_bytes_after: int | None = None
+    est_original_ms: float | None = None
+    est_hot_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-_COLUMNS = ("module", "path", "shape", "dtype", "decision", "saved_bytes_before", "saved_bytes_after", "reason")
-_HEADERS = ("module", "path", "shape", "dtype", "decision", "saved before", "saved after", "why")
+_COLUMNS = (
+    "module", "path", "shape", "dtype", "decision", "est_original_ms", "est_hot_ms",
+    "saved_bytes_before", "saved_bytes_after", "reason",
+)  # fmt: skip
+_HEADERS = ("module", "path", "shape", "dtype", "decision", "est. orig", "est. HOT", "saved before", "saved after", "why")
+
+
+def _fmt_cell(column: str, value) -> str:
+    if column.startswith("saved"):
+        return _fmt_bytes(value)
+    if column.startswith("est"):
+        return "-" if value is None else f"{value:.3g} ms"
+    return str(value)
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -62,10 +76,7 @@ class Report:
 
     def table(self) -> str:
         """A plain-text table, one line per site."""
-        cells = [_HEADERS] + [
-            tuple(_fmt_bytes(v) if k.startswith("saved") else str(v) for k, v in ((c, getattr(r, c)) for c in _COLUMNS))
-            for r in self.rows
-        ]
+        cells = [_HEADERS] + [tuple(_fmt_cell(c, getattr(r, c)) for c in _COLUMNS) for r in self.rows]
         widths = [max(len(row[i]) for row in cells) for i in range(len(_HEADERS))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))

@@ -7,6 +7,7 @@ warns once; ``HotConfig(strict=True)`` raises instead.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import warnings
 
@@ -17,7 +18,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..config import HotConfig
+from ..devices import load_calibrated, resolve_profile
+from .. import inspection  # a module, not names: hot_compile.inspection reads passes.provenance
 from ..report import Report, SiteRow, publish
+from .cost_model import SiteCost, grad_input_cost, grad_weight_cost
 from .decide import decide
 from .legality import why_illegal
 from .rewrite_grad_input import rewrite_grad_input
@@ -32,11 +36,35 @@ class HotPassWarning(UserWarning):
 
 
 def _hint(n) -> int:
+    """A concrete size for estimates; never installs a guard on a symbolic size."""
     return optimization_hint(n)
 
 
 def _bytes(val) -> int:
     return _hint(val.numel()) * val.element_size()
+
+
+@dataclasses.dataclass
+class _Planned:
+    site: LinearSite
+    path: str  # "gx" | "gw"
+    decision: str  # "HQ" | "HLA+ABC" | "kept"
+    reason: str
+    cost: SiteCost | None
+    buffers: tuple[fx.Node, fx.Node] | None = None  # the ABC buffers a rewritten gw reads
+    replacement: fx.Node | None = None  # stands in for the original mm once everything is built
+
+
+def _estimate(site: LinearSite, path: str, config: HotConfig, profiles: dict) -> tuple[int, SiteCost]:
+    l, n, k = (_hint(d) for d in site.shapes)
+    val = site.x2d.meta["val"]
+    if val.device not in profiles:
+        profiles[val.device] = resolve_profile(val.device, config.device_profile)
+    profile = profiles[val.device]
+    flops = profile.matmul_rate(val.dtype)
+    if path == "gx":
+        return l * n * k, grad_input_cost(l, n, k, val.element_size(), flops, profile)
+    return l * n * k, grad_weight_cost(l, n, k, config.rank, val.element_size(), flops, profile)
 
 
 def _shape(site: LinearSite, path: str) -> str:
@@ -54,66 +82,82 @@ def _other_backward_readers(graph: fx.Graph, x2d: fx.Node) -> list[str]:
     )
 
 
-def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Report:
-    """Rewrite ``graph`` in place according to ``config`` and return the per-site report."""
-    sites = find_linear_sites(graph)
+def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
+    """Decide every site and insert the rewrites; the graph's old matmuls still stand afterwards."""
     created: list[fx.Node] = []
-    compressed = CompressedActivations(graph, config, created)
-    planned: list[tuple[LinearSite, str, str, str]] = []  # site, path, decision, reason
-    replacements: list[tuple[fx.Node, fx.Node]] = []
+    compressed = CompressedActivations(graph, created)
+    profiles: dict = {}
+    planned: list[_Planned] = []
     try:
-        for site in sites:
+        for site in find_linear_sites(graph):
+            site_config = config.for_module(site.module_path)
             for path, use in (("gx", site.grad_input), ("gw", site.grad_weight)):
                 if use is None:
                     continue
-                decision = decide(site.module_path, path, config)
-                illegal = why_illegal(site, use)
-                if illegal or not decision.rewrite:
-                    planned.append((site, path, "kept", illegal or decision.reason))
+                illegal = why_illegal(site, use, path, site_config)
+                if illegal:
+                    planned.append(_Planned(site, path, "kept", illegal, None))
                     continue
-                if path == "gx":
-                    new = rewrite_grad_input(graph, site, config, created)
-                    planned.append((site, path, "HQ", decision.reason))
-                else:
-                    new = rewrite_grad_weight(graph, site, config, compressed, created)
-                    planned.append((site, path, "HLA+ABC", decision.reason))
-                replacements.append((use.node, new))
+                mnk, cost = _estimate(site, path, site_config, profiles)
+                decision = decide(site.module_path, path, mnk, cost, site_config)
+                entry = _Planned(site, path, "kept", decision.reason, cost)
+                if decision.rewrite and path == "gx":
+                    entry.decision = "HQ"
+                    entry.replacement = rewrite_grad_input(graph, site, site_config, created)
+                elif decision.rewrite:
+                    entry.decision = "HLA+ABC"
+                    entry.buffers = compressed.get(site, site_config)
+                    entry.replacement = rewrite_grad_weight(graph, site, site_config, compressed, created)
+                planned.append(entry)
     except BaseException:
         for node in reversed(created):
             graph.erase_node(node)
         raise
-    for old, new in replacements:
-        old.replace_all_uses_with(new)
-        graph.erase_node(old)
+    return planned
 
-    rows = []
-    for site, path, decision, reason in planned:
-        before = after = None
-        if path == "gw":
-            before = after = _bytes(site.x2d.meta["val"])
-            if decision == "HLA+ABC":
-                x_q, x_scale = compressed.get(site)
-                after = _bytes(x_q.meta["val"]) + _bytes(x_scale.meta["val"])
-                readers = _other_backward_readers(graph, site.x2d)
-                if readers:
-                    after += before
-                    reason += f"; x is still read by backward op(s) {', '.join(readers)}, so it stays saved"
-        rows.append(
-            SiteRow(
-                module=site.module_path,
-                path=path,
-                shape=_shape(site, path),
-                dtype=str(site.x2d.meta["val"].dtype).removeprefix("torch."),
-                decision=decision,
-                reason=reason,
-                saved_bytes_before=before,
-                saved_bytes_after=after,
-            )
-        )
+
+def _row(graph: fx.Graph, entry: _Planned) -> SiteRow:
+    site, reason = entry.site, entry.reason
+    before = after = None
+    if entry.path == "gw":
+        before = after = _bytes(site.x2d.meta["val"])
+        if entry.buffers is not None:
+            after = sum(_bytes(b.meta["val"]) for b in entry.buffers)
+            readers = _other_backward_readers(graph, site.x2d)
+            if readers:
+                after += before
+                reason += f"; x is still read by backward op(s) {', '.join(readers)}, so it stays saved"
+    return SiteRow(
+        module=site.module_path,
+        path=entry.path,
+        shape=_shape(site, entry.path),
+        dtype=str(site.x2d.meta["val"].dtype).removeprefix("torch."),
+        decision=entry.decision,
+        reason=reason,
+        saved_bytes_before=before,
+        saved_bytes_after=after,
+        est_original_ms=entry.cost.original_s * 1e3 if entry.cost else None,
+        est_hot_ms=entry.cost.hot_s * 1e3 if entry.cost else None,
+    )
+
+
+def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Report:
+    """Rewrite ``graph`` in place according to ``config`` and return the per-site report.
+
+    All new nodes are inserted first; only when every rewrite has been built are the old matmuls
+    rewired and erased, so an exception leaves the graph as it was.
+    """
+    planned = _plan_and_rewrite(graph, config)
+    rewritten = [p for p in planned if p.decision != "kept"]
+    for entry in rewritten:
+        old = entry.site.grad_input.node if entry.path == "gx" else entry.site.grad_weight.node
+        old.replace_all_uses_with(entry.replacement)
+        graph.erase_node(old)
+    rows = [_row(graph, entry) for entry in planned]
     hot = counters["hot"]
     hot["sites_found"] += len(rows)
-    hot["sites_rewritten"] += len(replacements)
-    hot["sites_kept"] += len(rows) - len(replacements)
+    hot["sites_rewritten"] += len(rewritten)
+    hot["sites_kept"] += len(rows) - len(rewritten)
     return Report(graph_name, rows)
 
 
@@ -132,11 +176,12 @@ class HotJointPass(CustomGraphPass):
         self.config = config or HotConfig()
 
     def __call__(self, graph: fx.Graph) -> None:
-        compile_id = torch._guards.CompileContext.current_compile_id()
-        name = str(compile_id) if compile_id is not None else "<no compile id>"
+        shown = inspection.JointGraphInspection(graph, self.config, torch._guards.CompileContext.current_compile_id())
+        name = shown.name
         try:
             report = run_hot_pass(graph, self.config, name)
         except Exception as exc:
+            shown.finish(graph, error=exc)
             if self.config.strict:
                 raise
             counters["hot"]["graphs_failed"] += 1
@@ -148,11 +193,19 @@ class HotJointPass(CustomGraphPass):
             )
             return
         publish(report)
+        shown.finish(graph, report)
 
-    def uuid(self) -> bytes:
+    def uuid(self) -> bytes | None:
+        # A cache hit skips the pass, and with it the dump or log someone asked for: no uuid makes
+        # Inductor bypass the FX-graph and AOTAutograd caches while the pass is being inspected.
+        if inspection.inspection_requested(self.config):
+            return None
         # The FX-graph and AOTAutograd caches key on this: it must change with the pass's code and
-        # every setting, or a cache hit would skip the pass (or replay another config's rewrite).
-        return get_hash_for_files(_source_files(), extra=f"{self.config!r}|{torch.__version__}")
+        # every setting, or a cache hit would skip the pass (or replay another config's rewrite);
+        # decisions also depend on this machine's calibrated device profile, if any.
+        calibrated = load_calibrated()
+        extra = f"{self.config!r}|{torch.__version__}|{calibrated.to_json() if calibrated else ''}"
+        return get_hash_for_files(_source_files(), extra=extra)
 
 
 def joint_pass(config: HotConfig | None = None) -> HotJointPass:

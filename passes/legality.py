@@ -5,14 +5,29 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..config import HotConfig
 from .sites import LinearSite, MatmulUse
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 
 
-def why_illegal(site: LinearSite, use: MatmulUse) -> str | None:
-    """The reason ``use`` cannot be rewritten, or None when it can."""
+def _cuda_int_mm_problem(site: LinearSite, path: str, config: HotConfig) -> str | None:
+    """cuBLASLt's int8 GEMM needs M > 16 and K, N multiples of 8 (``torch._int_mm`` on CUDA)."""
+    l, n, k = site.shapes
+    if not statically_known_true(k % 8 == 0):
+        return "CUDA _int_mm needs in_features a multiple of 8"
+    if path == "gx" and not statically_known_true(l > 16):
+        return "CUDA _int_mm needs more than 16 tokens"
+    if path == "gw" and (config.rank % 8 != 0 or not statically_known_true(n > 16)):
+        return "CUDA _int_mm needs rank a multiple of 8 and more than 16 out_features"
+    return None
+
+
+def why_illegal(site: LinearSite, use: MatmulUse, path: str, config: HotConfig) -> str | None:
+    """The reason the ``path`` ("gx"/"gw") site ``use`` cannot be rewritten, or None when it can.
+    Decided without installing guards: unknown divisibility of a symbolic size is handled by padding,
+    and a size that is only possibly zero is legal (the kernels accept empty inputs)."""
     out = use.node.meta.get("val")
     operands = [use.grad.meta.get("val"), site.x2d.meta.get("val"), site.weight.meta.get("val")]
     if out is None or any(v is None for v in operands):
@@ -24,4 +39,6 @@ def why_illegal(site: LinearSite, use: MatmulUse) -> str | None:
             return f"device {v.device.type} is not supported"
     if any(statically_known_true(d == 0) for d in site.shapes):
         return "zero-size matmul"
+    if out.device.type == "cuda":
+        return _cuda_int_mm_problem(site, path, config)
     return None

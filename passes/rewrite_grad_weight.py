@@ -22,25 +22,27 @@ REWRITE = "hla_grad_weight"
 
 
 class CompressedActivations:
-    """One compressed buffer per distinct forward input (q, k and v projections share theirs)."""
+    """One compressed buffer per distinct forward input and (rank, bits): q, k and v projections
+    share theirs."""
 
-    def __init__(self, graph: fx.Graph, config: HotConfig, created: list[fx.Node]):
-        self.graph, self.config, self.created = graph, config, created
-        self.entries: list[tuple[fx.Node, tuple[fx.Node, fx.Node]]] = []
+    def __init__(self, graph: fx.Graph, created: list[fx.Node]):
+        self.graph, self.created = graph, created
+        self.entries: list[tuple[fx.Node, int, int, tuple[fx.Node, fx.Node]]] = []
 
-    def get(self, site: LinearSite) -> tuple[fx.Node, fx.Node]:
-        for x2d, buffers in self.entries:
-            if same_value(x2d, site.x2d):
+    def get(self, site: LinearSite, config: HotConfig) -> tuple[fx.Node, fx.Node]:
+        rank, bits = config.rank, config.gw_bits
+        for x2d, entry_rank, entry_bits, buffers in self.entries:
+            if (entry_rank, entry_bits) == (rank, bits) and same_value(x2d, site.x2d):
                 return buffers
 
         def compress(x):
-            return compress_activation(x, rank=self.config.rank, bits=self.config.gw_bits)
+            return compress_activation(x, rank=rank, bits=bits)
 
         meta = provenance(COMPRESS, site.module_path, "gw", site.x2d, "forward")
         buffers = insert_traced(self.graph, compress, [site.x2d], before=site.x2d.next, meta=meta, created=self.created)
         for node in buffers:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        self.entries.append((site.x2d, buffers))
+        self.entries.append((site.x2d, rank, bits, buffers))
         return buffers
 
 
@@ -49,7 +51,7 @@ def rewrite_grad_weight(
 ) -> fx.Node:
     """Insert the HLA computation of ``site``'s grad_weight; returns the node to stand in for the mm."""
     use = site.grad_weight
-    x_q, x_scale = compressed.get(site)
+    x_q, x_scale = compressed.get(site, config)
     out_dtype = use.node.meta["val"].dtype
 
     def hla(grad, xq, xs):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import detect_fake_mode
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
@@ -30,12 +31,18 @@ class Graphs:
 
 def aot_compile(model, config: HotConfig | None = None, pass_cls=HotJointPass, **compile_kwargs):
     """``torch.compile`` with an aot_autograd backend running the HOT pass on the joint graph, then the
-    min-cut partitioner, with Inductor's decompositions but no Inductor codegen."""
+    min-cut partitioner, with Inductor's decompositions but no Inductor codegen.
+
+    Guards the pass adds to the shape environment are recorded in ``graphs.new_guards``."""
     graphs = Graphs()
-    hot_pass = graphs.hot_pass = pass_cls(config or HotConfig(strict=True))
+    hot_pass = graphs.hot_pass = pass_cls(config or HotConfig(strict=True, policy="hot"))
 
     def partition(joint, inputs, **kwargs):
+        fake_mode = detect_fake_mode([n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")])
+        shape_env = fake_mode.shape_env if fake_mode else None
+        known = len(shape_env.guards) if shape_env else 0
         hot_pass(joint.graph)
+        graphs.new_guards = [g.expr for g in shape_env.guards[known:]] if shape_env else []
         joint.graph.lint()
         joint.recompile()
         graphs.joint = joint

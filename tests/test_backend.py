@@ -36,7 +36,7 @@ def test_trains_without_importing_hot_compile():
         assert "hot_compile" not in sys.modules
         torch.manual_seed(0)
         for model, shape in ((MLP(), (8, 32, 32)), (torch.nn.Sequential(Block(), MLP(32, 64, 16)), (4, 32, 32))):
-            compiled = torch.compile(model, backend="hot", options={"strict": True})
+            compiled = torch.compile(model, backend="hot", options={"strict": True, "policy": "hot"})
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
             x = torch.randn(*shape)
             target = x[..., :16].tanh()  # learnable: a fixed function of the input
@@ -60,7 +60,7 @@ def test_trains_without_importing_hot_compile():
 def test_grads_within_band_and_int_mm_in_backward_code():
     torch.manual_seed(0)
     model = Block()
-    compiled = torch.compile(model, backend=hot_compile.backend(HotConfig(strict=True, rank=16)))
+    compiled = torch.compile(model, backend=hot_compile.backend(HotConfig(strict=True, policy="hot", rank=16)))
     x = torch.randn(2, 48, 32)
     errors, code = run_and_get_code(grad_errors, model, compiled, x)
     print({k: round(v, 3) for k, v in errors.items()})
@@ -75,7 +75,7 @@ def test_grads_within_band_and_int_mm_in_backward_code():
 def test_default_rank_grads_on_token_smooth_input():
     torch.manual_seed(0)
     model = MLP()
-    errors = grad_errors(model, torch.compile(model, backend="hot", options={"strict": True}), _smooth(4, 64, 32))
+    errors = grad_errors(model, torch.compile(model, backend="hot", options={"strict": True, "policy": "hot"}), _smooth(4, 64, 32))
     assert max(errors.values()) < tol.E2E_GRAD
 
 
@@ -114,7 +114,7 @@ def test_saved_activations_are_int8_low_rank():
     ind(x)
     before = _saved_bytes(ind, x, params)
     torch._dynamo.reset()
-    hot = torch.compile(model, backend="hot", options={"strict": True})
+    hot = torch.compile(model, backend="hot", options={"strict": True, "policy": "hot"})
     hot(x)
     after = _saved_bytes(hot, x, params)
     print(f"saved for backward: inductor {before}, hot {after}")
@@ -138,7 +138,7 @@ def test_changing_config_recompiles_despite_cache(fx_graph_cache):
 
     def run(**options):
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend="hot", options={"strict": True, **options})
+        compiled = torch.compile(model, backend="hot", options={"strict": True, "policy": "hot", **options})
         return _grads(model, compiled, x)
 
     first = run(gx_bits=4)
@@ -166,7 +166,7 @@ def test_pass_failure_keeps_training(monkeypatch):
 
 def test_joint_pass_inside_an_inductor_pipeline():
     model = MLP()
-    with torch._inductor.config.patch(joint_custom_post_pass=hot_compile.joint_pass(HotConfig(strict=True))):
+    with torch._inductor.config.patch(joint_custom_post_pass=hot_compile.joint_pass(HotConfig(strict=True, policy="hot"))):
         compiled = torch.compile(model, backend="inductor")
         compiled(torch.randn(4, 40, 32)).sum().backward()
     assert len(hot_compile.last_report().select(decision="HQ")) == 1  # input has no grad: fc2 only

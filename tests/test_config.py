@@ -5,9 +5,9 @@ from hot_compile import HotConfig
 from hot_compile.config import split_options
 
 
-def test_defaults_are_the_paper_recipe():
+def test_defaults_are_the_paper_recipe_under_the_balanced_policy():
     cfg = HotConfig()
-    assert (cfg.policy, cfg.gx_bits, cfg.gw_bits, cfg.rank, cfg.gx_quantizer) == ("hot", 4, 8, 8, "per_tensor")
+    assert (cfg.policy, cfg.gx_bits, cfg.gw_bits, cfg.rank, cfg.gx_quantizer) == ("balanced", 4, 8, 8, "per_tensor")
 
 
 def test_frozen():
@@ -31,6 +31,12 @@ def test_frozen():
         ("exclude", 3, "glob"),
         ("strict", "yes", "True or False"),
         ("hadamard", 1, "True or False"),
+        ("max_slowdown", -0.1, ">= 0"),
+        ("device_profile", "tpu", "'gpu-h100'"),
+        ("overrides", {"fc1": {"strict": True}}, "keys among"),
+        ("overrides", {"fc1": {"rank": 99}}, "1..16"),
+        ("overrides", {"fc[1": {"rank": 4}}, "globs"),
+        ("overrides", [("fc1",)], "pairs"),
     ],
 )
 def test_bad_values_name_key_and_accepted(key, value, accepted):
@@ -69,3 +75,12 @@ def test_joint_pass_uuid_tracks_config():
     a, b = hot_compile.joint_pass(HotConfig()), hot_compile.joint_pass(HotConfig(gx_bits=8))
     assert a.uuid() != b.uuid()
     assert a.uuid() == hot_compile.joint_pass(HotConfig()).uuid()
+
+
+def test_overrides_apply_in_order_later_wins():
+    cfg = HotConfig(overrides={"blocks.*": {"rank": 16, "policy": "speed"}, "blocks.0.*": {"policy": "off"}})
+    assert cfg.for_module("blocks.0.fc1").policy == "off"
+    assert cfg.for_module("blocks.0.fc1").rank == 16
+    assert cfg.for_module("blocks.1.fc1").policy == "speed"
+    assert cfg.for_module("head") is cfg
+    assert hash(cfg) == hash(HotConfig(overrides=[("blocks.*", {"policy": "speed", "rank": 16}), ("blocks.0.*", {"policy": "off"})]))

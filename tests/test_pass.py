@@ -17,7 +17,7 @@ from tests.harness import aot_compile
 from tests.models import MLP, Block, grad_errors
 
 aten = torch.ops.aten
-STRICT = HotConfig(strict=True)
+STRICT = HotConfig(strict=True, policy="hot")
 
 
 def _smooth(batch, tokens, dim, seed=0):
@@ -197,7 +197,7 @@ class _FailingPass(hot_compile.passes.HotJointPass):
 
 def test_pass_failure_leaves_graph_unchanged_and_warns():
     model = MLP()
-    compiled, graphs = aot_compile(model, HotConfig(), pass_cls=_FailingPass)
+    compiled, graphs = aot_compile(model, HotConfig(policy="hot"), pass_cls=_FailingPass)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled(torch.randn(4, 50, 32)).sum().backward()

@@ -1,0 +1,236 @@
+"""Device profiles for the cost model: rates and bandwidths as data, plus local calibration.
+
+A profile is a handful of throughputs. Built-in profiles cover the CPU kinds this project is measured
+on and the common NVIDIA training GPUs (datasheet dense rates); ``hot-compile calibrate-device``
+measures the local machine with micro-benchmarks and caches the result, which then takes precedence
+for that machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """Throughputs of one device.
+
+    Attributes:
+        name: profile name.
+        matmul_flops: dense float matmul rate per dtype name, FLOP/s (2·M·N·K per product).
+        int8_ops: ``torch._int_mm`` rate, OP/s (2·M·N·K per product).
+        read_bw: bytes/s streamed into an elementwise kernel.
+        write_bw: bytes/s written to a freshly allocated output (CPU: includes first-touch page faults).
+        transform_rate: outputs/s of a fused block-16 transform + stochastic int8 quantization kernel
+            (16 multiply-adds, a hash and a rounding per output).
+        kernel_overhead: seconds per kernel or extern call, whatever its size.
+    """
+
+    name: str
+    matmul_flops: dict[str, float]
+    int8_ops: float
+    read_bw: float
+    write_bw: float
+    transform_rate: float
+    kernel_overhead: float
+
+    def __post_init__(self) -> None:
+        missing = set(_DTYPES) - set(self.matmul_flops)
+        if missing:
+            raise ValueError(f"DeviceProfile {self.name!r}: matmul_flops lacks {sorted(missing)}")
+        numbers = [*self.matmul_flops.values(), self.int8_ops, self.read_bw, self.write_bw, self.transform_rate]
+        if any(not (isinstance(v, (int, float)) and v > 0) for v in numbers) or self.kernel_overhead < 0:
+            raise ValueError(f"DeviceProfile {self.name!r}: rates must be positive numbers")
+        object.__setattr__(self, "matmul_flops", dict(sorted(self.matmul_flops.items())))
+
+    def matmul_rate(self, dtype: torch.dtype) -> float:
+        return self.matmul_flops[str(dtype).removeprefix("torch.")]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DeviceProfile:
+        return cls(**json.loads(text))
+
+
+def _gpu(name, fp32, bf16, int8, bw, overhead=6e-6):
+    return DeviceProfile(
+        name=name,
+        matmul_flops={"float32": fp32, "bfloat16": bf16, "float16": bf16},
+        int8_ops=int8,
+        read_bw=bw,
+        write_bw=bw,
+        transform_rate=bw / 6,  # memory bound: ~6 bytes moved per output
+        kernel_overhead=overhead,
+    )
+
+
+# CPU figures: 2 cores, torch 2.13.0, measured with `hot-compile calibrate-device` on the machine kinds
+# named. GPU figures: dense datasheet rates (fp32 without TF32, as PyTorch's default matmul).
+BUILTIN_PROFILES: dict[str, DeviceProfile] = {
+    p.name: p
+    for p in (
+        DeviceProfile(
+            name="cpu-sapphire-rapids-2core",
+            matmul_flops={"float32": 3.5e11, "bfloat16": 1.8e12, "float16": 3.0e11},
+            int8_ops=1.7e12,
+            read_bw=4.0e10,
+            write_bw=4.0e9,
+            transform_rate=1.6e9,
+            kernel_overhead=2e-5,
+        ),
+        DeviceProfile(
+            name="cpu-zen4-2core",
+            matmul_flops={"float32": 2.0e11, "bfloat16": 2.5e11, "float16": 1.0e11},
+            int8_ops=4.0e11,
+            read_bw=3.0e10,
+            write_bw=4.0e9,
+            transform_rate=1.0e9,
+            kernel_overhead=2e-5,
+        ),
+        DeviceProfile(
+            name="cpu-generic",
+            matmul_flops={"float32": 1.0e11, "bfloat16": 5.0e10, "float16": 5.0e10},
+            int8_ops=1.0e11,
+            read_bw=1.0e10,
+            write_bw=3.0e9,
+            transform_rate=5.0e8,
+            kernel_overhead=2e-5,
+        ),
+        _gpu("gpu-h200", fp32=67e12, bf16=989e12, int8=1979e12, bw=4.8e12),
+        _gpu("gpu-h100", fp32=67e12, bf16=989e12, int8=1979e12, bw=3.35e12),
+        _gpu("gpu-a100", fp32=19.5e12, bf16=312e12, int8=624e12, bw=2.0e12),
+        _gpu("gpu-rtx3090", fp32=35.6e12, bf16=71e12, int8=284e12, bw=0.936e12),
+        _gpu("gpu-generic", fp32=20e12, bf16=150e12, int8=300e12, bw=1.0e12),
+    )
+}
+
+_GPU_NAMES = (("H200", "gpu-h200"), ("H100", "gpu-h100"), ("A100", "gpu-a100"), ("3090", "gpu-rtx3090"))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _cpu_identity() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+        else:
+            model = platform.processor()
+    except OSError:
+        model = platform.processor()
+    return f"{model}|{os.cpu_count()}cpu|torch-{torch.__version__}"
+
+
+def cache_path() -> pathlib.Path:
+    """Where the calibrated profile of this machine is cached (env ``HOT_CACHE_DIR`` moves it)."""
+    root = pathlib.Path(os.environ.get("HOT_CACHE_DIR") or pathlib.Path.home() / ".cache" / "hot_compile")
+    return root / "device_profile.json"
+
+
+def load_calibrated() -> DeviceProfile | None:
+    """The cached calibration of this machine, or None (missing, unreadable, or another machine's)."""
+    try:
+        data = json.loads(cache_path().read_text())
+        if data.pop("identity", None) != _cpu_identity():
+            return None
+        return DeviceProfile(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def resolve_profile(device: torch.device, name: str = "auto") -> DeviceProfile:
+    """The profile to cost ``device`` with: ``name`` if given, else this machine's calibration, else
+    the built-in profile matching the CPU's features or the GPU's name, else a generic one."""
+    if name != "auto":
+        if name == "calibrated":
+            profile = load_calibrated()
+            if profile is None:
+                raise ValueError("device_profile='calibrated' but no calibration cached: run `hot-compile calibrate-device`")
+            return profile
+        return BUILTIN_PROFILES[name]
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device) if torch.cuda.is_available() else ""
+        return BUILTIN_PROFILES[next((p for key, p in _GPU_NAMES if key in gpu), "gpu-generic")]
+    calibrated = load_calibrated()
+    if calibrated is not None:
+        return calibrated
+    flags = _cpu_flags()
+    if "amx_int8" in flags:
+        return BUILTIN_PROFILES["cpu-sapphire-rapids-2core"]
+    if {"avx512_vnni", "avx512_bf16"} <= flags:
+        return BUILTIN_PROFILES["cpu-zen4-2core"]
+    return BUILTIN_PROFILES["cpu-generic"]
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def calibrate(size: int = 1024, repeats: int = 7) -> DeviceProfile:
+    """Measure this CPU: float and int8 matmul rates, streaming bandwidths, the fused transform +
+    quantize rate (compiled, as the backend runs it) and the per-call overhead."""
+    from .hadamard import block_hadamard
+    from .quant import quantize_stochastic
+
+    flops = {}
+    for dtype in _DTYPES:
+        a = torch.randn(size, size).to(getattr(torch, dtype))
+        flops[dtype] = 2 * size**3 / _median_seconds(lambda a=a: a @ a, repeats)
+    q = torch.randint(-7, 8, (size, size), dtype=torch.int8)
+    int8_ops = 2 * size**3 / _median_seconds(lambda: torch._int_mm(q, q), repeats)
+
+    big = torch.randn(4096, 4096)
+    read_bw = big.numel() * 4 / _median_seconds(lambda: big.sum(), repeats)
+    write_bw = big.numel() * 4 / _median_seconds(lambda: torch.empty_like(big).fill_(1.0), repeats)
+
+    seed = torch.tensor(0)
+    fused = torch.compile(lambda v, s: quantize_stochastic(block_hadamard(v, 1), 8, s)[0], fullgraph=True)
+    transform_rate = big.numel() / _median_seconds(lambda: fused(big, seed), repeats)
+    tiny = torch.randn(4, 4)
+    kernel_overhead = _median_seconds(lambda: tiny.add(1), 50)
+    return DeviceProfile(
+        name=f"calibrated:{_cpu_identity().split('|')[0]}",
+        matmul_flops=flops,
+        int8_ops=int8_ops,
+        read_bw=read_bw,
+        write_bw=write_bw,
+        transform_rate=transform_rate,
+        kernel_overhead=kernel_overhead,
+    )
+
+
+def save_calibrated(profile: DeviceProfile) -> pathlib.Path:
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {**dataclasses.asdict(profile), "identity": _cpu_identity()}
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+    return path

@@ -1,0 +1,104 @@
+"""Cost model of one backward matmul site: the original product vs its HOT variant.
+
+Pure functions of integer shapes and a :class:`~hot_compile.devices.DeviceProfile`; nothing here looks
+at a graph. Notation: a linear ``y = x Wᵀ`` with ``x: [L, K]``, ``W: [N, K]``; ``b`` the bytes per
+element of the float dtype; ``Np = 16·⌈N/16⌉``; ``Lr = r·⌈L/16⌉`` the projected token count at rank r.
+Profile rates: ``F`` float matmul FLOP/s of the dtype, ``I`` int8 OP/s, ``R``/``W`` read/write bytes/s,
+``T`` fused transform+quantize outputs/s, ``c`` seconds per kernel call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..devices import DeviceProfile
+
+BLOCK = 16
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteCost:
+    """Estimated seconds of the original and the HOT variant, and saved-activation bytes."""
+
+    original_s: float
+    hot_s: float
+    saved_bytes_before: int | None = None
+    saved_bytes_after: int | None = None
+
+    @property
+    def speedup(self) -> float:
+        return self.original_s / self.hot_s if self.hot_s > 0 else float("inf")
+
+
+def matmul_time(m: int, k: int, n: int, elem_bytes: int, profile: DeviceProfile, flops: float) -> float:
+    """``2·m·k·n / F + m·n·b / W + c``: a float ``[m, k] @ [k, n]`` writing a fresh output."""
+    return 2 * m * k * n / flops + m * n * elem_bytes / profile.write_bw + profile.kernel_overhead
+
+
+def quantize_time(rows: int, cols: int, out_elems: int, elem_bytes: int, profile: DeviceProfile) -> float:
+    """Scale reduction then fused transform + quantize of a ``[rows, cols]`` operand into
+    ``out_elems`` int8 values: ``2·rows·cols·b / R + out / T + out / W + 2c``."""
+    return (
+        2 * rows * cols * elem_bytes / profile.read_bw
+        + out_elems / profile.transform_rate
+        + out_elems / profile.write_bw
+        + 2 * profile.kernel_overhead
+    )
+
+
+def int_matmul_time(m: int, k: int, n: int, out_elem_bytes: int, profile: DeviceProfile) -> float:
+    """``2·m·k·n / I`` for the int32 product, then dequantize: ``m·n·4 / R + m·n·b_out / W``, 2 calls."""
+    return (
+        2 * m * k * n / profile.int8_ops
+        + m * n * 4 / profile.write_bw
+        + m * n * 4 / profile.read_bw
+        + m * n * out_elem_bytes / profile.write_bw
+        + 2 * profile.kernel_overhead
+    )
+
+
+def grad_input_cost(l: int, n: int, k: int, elem_bytes: int, flops: float, profile: DeviceProfile) -> SiteCost:
+    """grad_input ``[L, N] @ [N, K]``.
+
+    original = ``2LNK/F + LKb/W + c``;
+    HQ = quantize(g: L×N → L·Np) + quantize(W: N×K → Np·K) + ``2·L·Np·K/I`` + dequantize(L×K).
+    """
+    np_ = BLOCK * _ceil_div(n, BLOCK)
+    hot = (
+        quantize_time(l, n, l * np_, elem_bytes, profile)
+        + quantize_time(n, k, np_ * k, elem_bytes, profile)
+        + int_matmul_time(l, np_, k, elem_bytes, profile)
+    )
+    return SiteCost(matmul_time(l, n, k, elem_bytes, profile, flops), hot)
+
+
+def compressed_bytes(l: int, k: int, rank: int) -> int:
+    """Bytes of the ABC buffer: ``Lr·K`` int8 plus a 4-byte scale."""
+    return rank * _ceil_div(l, BLOCK) * k + 4
+
+
+def grad_weight_cost(
+    l: int, n: int, k: int, rank: int, elem_bytes: int, flops: float, profile: DeviceProfile
+) -> SiteCost:
+    """grad_weight ``[N, L] @ [L, K]`` with its activation.
+
+    original = ``2NLK/F + NKb/W + c``, saving ``L·K·b`` bytes of ``x``;
+    HLA+ABC = quantize(g: L×N → Lr·N) + ``2·N·Lr·K/I`` + dequantize(N×K)
+    + the forward's compression quantize(x: L×K → Lr·K), saving ``Lr·K + 4`` bytes.
+    """
+    lr = rank * _ceil_div(l, BLOCK)
+    hot = (
+        quantize_time(l, n, lr * n, elem_bytes, profile)
+        + int_matmul_time(n, lr, k, elem_bytes, profile)
+        + quantize_time(l, k, lr * k, elem_bytes, profile)
+    )
+    return SiteCost(
+        matmul_time(n, l, k, elem_bytes, profile, flops),
+        hot,
+        saved_bytes_before=l * k * elem_bytes,
+        saved_bytes_after=compressed_bytes(l, k, rank),
+    )

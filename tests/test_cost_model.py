@@ -1,0 +1,134 @@
+"""Cost model, device profiles and policies."""
+
+import json
+
+import pytest
+import torch
+
+import hot_compile
+from hot_compile import HotConfig, devices
+from hot_compile.passes import cost_model
+from hot_compile.passes.decide import decide
+from tests.harness import aot_compile
+from tests.models import MLP
+
+CPU = devices.BUILTIN_PROFILES["cpu-sapphire-rapids-2core"]
+H100 = devices.BUILTIN_PROFILES["gpu-h100"]
+
+
+def _gx(l, n, k, profile=CPU, dtype=torch.float32):
+    return cost_model.grad_input_cost(l, n, k, dtype.itemsize, profile.matmul_rate(dtype), profile)
+
+
+def _gw(l, n, k, profile=CPU, rank=8, dtype=torch.float32):
+    return cost_model.grad_weight_cost(l, n, k, rank, dtype.itemsize, profile.matmul_rate(dtype), profile)
+
+
+@pytest.mark.parametrize("profile", devices.BUILTIN_PROFILES.values(), ids=lambda p: p.name)
+def test_tiny_matmuls_are_slower_on_every_profile(profile):
+    assert _gx(8, 8, 8, profile).speedup < 1
+    assert _gw(8, 8, 8, profile).speedup < 1
+
+
+def test_large_matmuls_are_faster_where_int8_outruns_the_float_rate():
+    assert _gx(6272, 3072, 768).speedup > 1
+    assert _gw(6272, 3072, 768).speedup > 1
+    assert _gx(6272, 3072, 768, H100).speedup > 1
+
+
+def test_speedup_grows_with_size():
+    ratios = [_gx(l, 1024, 1024).speedup for l in (16, 256, 4096, 65536)]
+    assert ratios == sorted(ratios)
+
+
+@pytest.mark.parametrize("l", [16, 197, 6272, 6304])
+def test_saved_bytes_are_an_eighth_of_fp32_at_rank_8(l):
+    cost = _gw(l, 64, 384)
+    assert cost.saved_bytes_before == l * 384 * 4
+    assert cost.saved_bytes_after == 8 * -(-l // 16) * 384 + 4
+    if l % 16 == 0:
+        assert cost.saved_bytes_after - 4 == cost.saved_bytes_before // 8
+
+
+def _decide(path, shape, policy, **config):
+    cost = _gx(*shape) if path == "gx" else _gw(*shape)
+    return decide("layer", path, shape[0] * shape[1] * shape[2], cost, HotConfig(policy=policy, **config))
+
+
+def test_tiny_sites_kept_with_reason():
+    for policy in ("speed", "balanced"):
+        decision = _decide("gx", (8, 8, 8), policy)
+        assert not decision.rewrite
+        assert "M·N·K" in decision.reason and "slower" in decision.reason
+
+
+def test_large_sites_rewritten_under_speed():
+    decision = _decide("gx", (6272, 3072, 768), "speed")
+    assert decision.rewrite and "faster" in decision.reason
+
+
+def test_memory_compresses_where_speed_keeps():
+    shape = (64, 64, 64)
+    assert not _decide("gw", shape, "speed").rewrite
+    memory = _decide("gw", shape, "memory")
+    assert memory.rewrite and "ABC saves" in memory.reason
+    assert not _decide("gx", shape, "memory").rewrite  # grad_input saves no memory
+
+
+def test_balanced_bound():
+    shape = (256, 256, 256)
+    cost = _gx(*shape)
+    slowdown = cost.hot_s / cost.original_s - 1
+    assert _decide("gx", shape, "balanced", max_slowdown=slowdown + 0.01).rewrite
+    assert not _decide("gx", shape, "balanced", max_slowdown=max(slowdown - 0.01, 0)).rewrite
+
+
+def test_policies_on_a_graph_and_overrides_win():
+    base = HotConfig(strict=True, device_profile="cpu-sapphire-rapids-2core")
+    x = torch.randn(4, 50, 32, requires_grad=True)
+    aot_compile(MLP(), base.replace(policy="speed"))[0](x).sum().backward()
+    rows = hot_compile.last_report().rows
+    assert all(r.decision == "kept" and "M·N·K" in r.reason for r in rows)
+    assert all(r.est_original_ms > 0 and r.est_hot_ms > r.est_original_ms for r in rows)
+
+    torch._dynamo.reset()
+    aot_compile(MLP(), base.replace(policy="memory"))[0](x).sum().backward()
+    assert {(r.path, r.decision) for r in hot_compile.last_report()} == {("gx", "kept"), ("gw", "HLA+ABC")}
+
+    torch._dynamo.reset()
+    overridden = base.replace(policy="speed", overrides={"fc2": {"policy": "hot", "rank": 16}})
+    aot_compile(MLP(), overridden)[0](x).sum().backward()
+    fc2 = [r for r in hot_compile.last_report() if r.module == "fc2"]
+    assert fc2 and all(r.decision != "kept" for r in fc2)
+    assert all(r.decision == "kept" for r in hot_compile.last_report() if r.module == "fc1")
+
+
+def test_profile_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOT_CACHE_DIR", str(tmp_path))
+    assert devices.resolve_profile(torch.device("cpu"), "gpu-a100").name == "gpu-a100"
+    auto = devices.resolve_profile(torch.device("cpu"))
+    assert auto.name.startswith("cpu-")
+    with pytest.raises(ValueError, match="calibrate-device"):
+        devices.resolve_profile(torch.device("cpu"), "calibrated")
+    measured = devices.DeviceProfile(**{**json.loads(CPU.to_json()), "name": "calibrated:test"})
+    devices.save_calibrated(measured)
+    assert devices.resolve_profile(torch.device("cpu")) == measured
+    assert devices.resolve_profile(torch.device("cpu"), "calibrated") == measured
+
+
+def test_profile_validation():
+    with pytest.raises(ValueError, match="lacks"):
+        devices.DeviceProfile("x", {"float32": 1.0}, 1, 1, 1, 1, 0)
+    with pytest.raises(ValueError, match="positive"):
+        devices.DeviceProfile("x", {"float32": 1, "bfloat16": 1, "float16": 0}, 1, 1, 1, 1, 0)
+
+
+def test_calibrate_device_cli(monkeypatch, tmp_path, capsys):
+    from hot_compile import cli
+
+    monkeypatch.setenv("HOT_CACHE_DIR", str(tmp_path))
+    assert cli.main(["calibrate-device", "--size", "64", "--repeats", "1"]) == 0
+    profile = devices.load_calibrated()
+    assert profile is not None and profile.int8_ops > 0
+    assert devices.resolve_profile(torch.device("cpu")) == profile
+    assert "saved to" in capsys.readouterr().out
