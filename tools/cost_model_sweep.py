@@ -1,0 +1,102 @@
+"""How often does the cost model pick the faster variant? A sweep over linear-layer shapes.
+
+For each shape ``(L, K, N)`` (tokens, in_features, out_features) a fresh ``nn.Linear`` is compiled
+twice in one process — ``backend="inductor"`` and ``backend="hot"`` with ``policy="hot"`` (rewrite
+forced) — and a training step (forward, which holds the ABC compression, plus backward) is timed
+with the variants interleaved. The cost model's prediction for the layer is its two sites summed;
+the choice is right when "HOT is faster" agrees with the measured medians.
+
+    python tools/cost_model_sweep.py --out sweep.json           # 36 shapes, this machine's profile
+    python tools/cost_model_sweep.py --quick                    # 6 shapes, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+
+import torch
+
+import hot_compile
+from hot_compile import devices
+from hot_compile.passes.cost_model import grad_input_cost, grad_weight_cost
+
+TOKENS = (64, 512, 2048, 6272)
+FEATURES = ((64, 64), (256, 256), (384, 1536), (768, 768), (768, 3072), (3072, 768), (1024, 4096), (128, 2048), (2048, 128))
+
+
+def predict(l: int, k: int, n: int, profile: devices.DeviceProfile, rank: int = 8) -> tuple[float, float]:
+    """Estimated seconds (original, HOT) of one linear layer's grad_input + grad_weight, fp32."""
+    flops = profile.matmul_rate(torch.float32)
+    gx = grad_input_cost(l, n, k, 4, flops, profile)
+    gw = grad_weight_cost(l, n, k, rank, 4, flops, profile)
+    return gx.original_s + gw.original_s, gx.hot_s + gw.hot_s
+
+
+def _step_time(compiled, x, grad, repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        x.grad = None
+        start = time.perf_counter()
+        compiled(x).backward(grad)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def measure(l: int, k: int, n: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of a training step of ``Linear(k, n)`` on ``[l, k]``: (inductor, hot)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(k, n)
+    x = torch.randn(l, k, requires_grad=True)
+    grad = torch.randn(l, n)
+    variants = {
+        "inductor": torch.compile(layer, backend="inductor"),
+        "hot": torch.compile(layer, backend="hot", options={"policy": "hot", "strict": True}),
+    }
+    for compiled in variants.values():
+        _step_time(compiled, x, grad, 2)  # compile and warm up
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):  # interleaved: machine noise hits both variants alike
+        for name, compiled in variants.items():
+            samples[name] += _step_time(compiled, x, grad, 1)
+    torch._dynamo.reset()
+    return statistics.median(samples["inductor"]), statistics.median(samples["hot"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--profile", default="auto", help="device profile name (default: this machine's)")
+    parser.add_argument("--quick", action="store_true", help="6 shapes instead of 36")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+
+    profile = devices.resolve_profile(torch.device("cpu"), args.profile)
+    shapes = [(l, k, n) for l, (k, n) in itertools.product(TOKENS, FEATURES)]
+    if args.quick:
+        shapes = shapes[::6]
+    print(f"profile {profile.name}, torch {torch.__version__}, {torch.get_num_threads()} threads, hot-compile {hot_compile.__version__}")
+    print("| L | K | N | est. orig ms | est. HOT ms | inductor ms | hot ms | measured hot/inductor | model right |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for l, k, n in shapes:
+        est_orig, est_hot = predict(l, k, n, profile)
+        ind, hot = measure(l, k, n, args.repeats)
+        right = (est_hot < est_orig) == (hot < ind)
+        rows.append(dict(L=l, K=k, N=n, est_original_ms=est_orig * 1e3, est_hot_ms=est_hot * 1e3,
+                         inductor_ms=ind * 1e3, hot_ms=hot * 1e3, right=right))  # fmt: skip
+        print(f"| {l} | {k} | {n} | {est_orig * 1e3:.3g} | {est_hot * 1e3:.3g} | {ind * 1e3:.3g} | {hot * 1e3:.3g} "
+              f"| {hot / ind:.2f} | {'yes' if right else 'NO'} |", flush=True)  # fmt: skip
+    agreement = sum(r["right"] for r in rows) / len(rows)
+    print(f"\ncost model chose the faster variant for {sum(r['right'] for r in rows)}/{len(rows)} shapes ({agreement:.0%})")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"profile": json.loads(profile.to_json()), "rows": rows, "agreement": agreement}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
