@@ -7,14 +7,21 @@ of every eligible linear layer into integer Hadamard-quantized (grad_input) and 
 
 from importlib.metadata import PackageNotFoundError, version as _dist_version
 
+# torch before any submodule: with TORCH_LOGS="+hot_compile,hot_decisions" and this package imported
+# first, torch's TORCH_LOGS parsing imports our subpackages (hot_compile.passes registers the log
+# artifacts before their names are parsed), which must not find a module of ours half-imported.
+import torch  # noqa: F401
+
 from . import hadamard, ops, quant
 from .backend import backend
 from .config import HotConfig
+from .inspection import HotInspectionWarning
 from .passes import HotPassWarning, joint_pass
 from .report import Report, SiteRow, last_report
 
 __all__ = [
     "HotConfig",
+    "HotInspectionWarning",
     "HotPassWarning",
     "Report",
     "SiteRow",

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from .config import HotConfig, split_options
+from .inspection import record_partition
 from .passes import HotJointPass, joint_pass
 
 
@@ -40,7 +41,24 @@ def compile_with_hot(
     patches["joint_custom_post_pass"] = _chain_joint_passes(
         patches.get("joint_custom_post_pass", torch._inductor.config.joint_custom_post_pass), joint_pass(config)
     )
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, inner_compile=_showing_partitions(config), config_patches=patches)
+
+
+def _showing_partitions(config: HotConfig) -> Callable:
+    """Inductor's ``compile_fx_inner``, after showing the graph it gets (dump, ``hot_graphs`` log,
+    trace): the partitioned forward and backward exist only between the partitioner and Inductor."""
+
+    def inner_compile(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        if kwargs.get("is_backward"):
+            kind = "backward"
+        else:
+            kind = "inference" if kwargs.get("is_inference") else "forward"
+        record_partition(gm, config, kind)
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    return inner_compile
 
 
 def hot(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None):
@@ -49,17 +67,26 @@ def hot(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None,
     return compile_with_hot(gm, example_inputs, config, mode, inductor_options)
 
 
-def backend(config: HotConfig | None = None, **inductor_options: Any) -> Callable:
+def backend(config: HotConfig | None = None, mode: str | None = None, **inductor_options: Any) -> Callable:
     """A backend callable bound to ``config``: ``torch.compile(m, backend=hot_compile.backend(cfg))``.
 
-    Keyword arguments are Inductor config options (validated like ``options=`` of the named backend).
+    ``mode`` ("max-autotune", ...) and keyword arguments (Inductor config options, validated like
+    ``options=`` of the named backend) go to Inductor: ``torch.compile`` itself refuses ``mode``
+    together with ``options``, and passes neither to a backend callable.
     """
     config = config or HotConfig()
     if not isinstance(config, HotConfig):
         raise ValueError(f"backend() takes a HotConfig, got {type(config).__name__}")
     _, inductor_options = split_options(inductor_options)
+    if mode is not None:
+        from torch._inductor import list_mode_options
 
-    def hot_backend(gm, example_inputs, mode=None, options=None):
+        try:
+            list_mode_options(mode)
+        except RuntimeError as err:  # Inductor's message names the accepted modes
+            raise ValueError(str(err)) from None
+
+    def hot_backend(gm, example_inputs, mode=mode, options=None):
         cfg, extra = split_options(options, base=config)
         return compile_with_hot(gm, example_inputs, cfg, mode, {**inductor_options, **extra})
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import explain
+
 
 def _version(_: argparse.Namespace) -> int:
     import torch
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--repeats", type=int, default=7, help="timed repeats per micro-benchmark (median)")
     calibrate.add_argument("--no-save", action="store_true", help="print the profile without caching it")
     calibrate.set_defaults(run=_calibrate_device)
+    explain.add_parser(sub)
     return parser
 
 

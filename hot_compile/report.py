@@ -45,6 +45,8 @@ def _fmt_cell(column: str, value) -> str:
         return _fmt_bytes(value)
     if column.startswith("est"):
         return "-" if value is None else f"{value:.3g} ms"
+    if column == "module" and value == "":
+        return "(root)"  # a linear called in the compiled module's own forward
     return str(value)
 
 
@@ -74,9 +76,14 @@ class Report:
     def select(self, *, path: str | None = None, decision: str | None = None) -> list[SiteRow]:
         return [r for r in self.rows if (path is None or r.path == path) and (decision is None or r.decision == decision)]
 
+    def cells(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+        """Column headers and the formatted cells of every row (for text, Markdown or rich tables)."""
+        return _HEADERS, [tuple(_fmt_cell(c, getattr(r, c)) for c in _COLUMNS) for r in self.rows]
+
     def table(self) -> str:
         """A plain-text table, one line per site."""
-        cells = [_HEADERS] + [tuple(_fmt_cell(c, getattr(r, c)) for c in _COLUMNS) for r in self.rows]
+        headers, rows = self.cells()
+        cells = [headers, *rows]
         widths = [max(len(row[i]) for row in cells) for i in range(len(_HEADERS))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))

@@ -176,12 +176,13 @@ class HotJointPass(CustomGraphPass):
         self.config = config or HotConfig()
 
     def __call__(self, graph: fx.Graph) -> None:
-        shown = inspection.JointGraphInspection(graph, self.config, torch._guards.CompileContext.current_compile_id())
-        name = shown.name
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        inspected = inspection.JointGraphInspection(graph, self.config, compile_id)
+        name = inspected.name
         try:
             report = run_hot_pass(graph, self.config, name)
         except Exception as exc:
-            shown.finish(graph, error=exc)
+            inspected.finish(graph, error=exc)
             if self.config.strict:
                 raise
             counters["hot"]["graphs_failed"] += 1
@@ -193,7 +194,7 @@ class HotJointPass(CustomGraphPass):
             )
             return
         publish(report)
-        shown.finish(graph, report)
+        inspected.finish(graph, report)
 
     def uuid(self) -> bytes | None:
         # A cache hit skips the pass, and with it the dump or log someone asked for: no uuid makes
