@@ -1,0 +1,39 @@
+"""The CPU-side parts of the one-shot GPU check (tools/gpu_check.sh, tools/gpu_bench.py)."""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+TOOLS = pathlib.Path(__file__).parent.parent / "tools"
+
+
+def _gpu_bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", TOOLS / "gpu_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
+def test_gpu_check_exits_cleanly_without_a_gpu(tmp_path):
+    out = subprocess.run(
+        ["bash", str(TOOLS / "gpu_check.sh")],
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "no CUDA device" in out.stderr
+
+
+def test_gpu_bench_models_and_saved_bytes_on_cpu():
+    bench = _gpu_bench()
+    for model in (bench.MLPBlock(64, 256), bench.LinearStack(64, 2)):
+        x = torch.randn(2, 20, 64)
+        saved = bench._saved_bytes(lambda: model(x), list(model.parameters()))
+        assert saved > 0
+        assert model(x).shape == x.shape
