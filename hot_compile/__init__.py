@@ -16,6 +16,7 @@ from . import hadamard, ops, quant
 from .backend import backend
 from .config import HotConfig
 from .inspection import HotInspectionWarning
+from .lqs import QuantizerPlan, calibrate
 from .passes import HotPassWarning, joint_pass
 from .report import Report, SiteRow, last_report
 
@@ -23,9 +24,11 @@ __all__ = [
     "HotConfig",
     "HotInspectionWarning",
     "HotPassWarning",
+    "QuantizerPlan",
     "Report",
     "SiteRow",
     "backend",
+    "calibrate",
     "hadamard",
     "joint_pass",
     "last_report",

@@ -57,6 +57,8 @@ class HotConfig:
         hadamard: transform before quantizing in HQ; off quantizes ``g`` and ``W`` as they are (plain
             INT4, the baseline the paper argues against).
         strict: raise on a pass failure instead of warning and compiling the graph unchanged.
+        plan: a :class:`~hot_compile.lqs.QuantizerPlan` (or the path of one saved as JSON) from
+            :func:`hot_compile.calibrate`: per-layer ``gx_quantizer``; ``overrides`` still win.
         dump_dir: folder for per-graph dumps of what the pass did (default: env ``HOT_DUMP_DIR``).
     """
 
@@ -74,6 +76,7 @@ class HotConfig:
     rewrite_gw: bool = True
     hadamard: bool = True
     strict: bool = False
+    plan: Any = None
     dump_dir: str | None = dataclasses.field(default_factory=lambda: os.environ.get("HOT_DUMP_DIR") or None)
 
     def __post_init__(self) -> None:
@@ -100,6 +103,19 @@ class HotConfig:
         object.__setattr__(self, "include", _as_globs("include", self.include))
         object.__setattr__(self, "exclude", _as_globs("exclude", self.exclude))
         object.__setattr__(self, "overrides", self._normalized_overrides())
+        object.__setattr__(self, "plan", self._loaded_plan())
+
+    def _loaded_plan(self):
+        from .lqs import QuantizerPlan
+
+        if self.plan is None or isinstance(self.plan, QuantizerPlan):
+            return self.plan
+        if isinstance(self.plan, (str, os.PathLike)):
+            try:
+                return QuantizerPlan.load(self.plan)
+            except (OSError, ValueError, TypeError, KeyError) as err:
+                raise ValueError(f"HotConfig.plan={os.fspath(self.plan)!r} could not be read: {err}") from None
+        _fail("plan", self.plan, "None, a QuantizerPlan, or the path of one saved as JSON")
 
     def _validate_profile(self) -> None:
         from .devices import BUILTIN_PROFILES
@@ -130,9 +146,21 @@ class HotConfig:
             normalized.append((glob, tuple(sorted(values.items()))))
         return tuple(normalized)
 
+    def quantizer_source(self, module_path: str) -> str:
+        """Where ``module_path``'s ``gx_quantizer`` comes from: an override, the plan, or the config."""
+        if any(fnmatch.fnmatchcase(module_path, glob) and "gx_quantizer" in dict(values) for glob, values in self.overrides):
+            return "override"
+        if self.plan is not None and self.plan.quantizer_for(module_path) is not None:
+            return f"plan: {self.plan.source}"
+        return "config"
+
     def for_module(self, module_path: str) -> HotConfig:
-        """This config with every override whose glob matches ``module_path`` applied in order."""
+        """This config for ``module_path``: the plan's quantizer for it, then every override whose
+        glob matches, in order."""
         changes: dict[str, Any] = {}
+        planned = self.plan.quantizer_for(module_path) if self.plan is not None else None
+        if planned is not None:
+            changes["gx_quantizer"] = planned
         for glob, values in self.overrides:
             if fnmatch.fnmatchcase(module_path, glob):
                 changes.update(values)

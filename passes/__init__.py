@@ -116,8 +116,11 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
     return planned
 
 
-def _row(graph: fx.Graph, entry: _Planned) -> SiteRow:
+def _row(graph: fx.Graph, entry: _Planned, config: HotConfig) -> SiteRow:
     site, reason = entry.site, entry.reason
+    if entry.path == "gx" and entry.decision != "kept":
+        quantizer = config.for_module(site.module_path).gx_quantizer
+        reason += f"; g quantizer {quantizer} ({config.quantizer_source(site.module_path)})"
     before = after = None
     if entry.path == "gw":
         before = after = _bytes(site.x2d.meta["val"])
@@ -153,7 +156,7 @@ def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Re
         old = entry.site.grad_input.node if entry.path == "gx" else entry.site.grad_weight.node
         old.replace_all_uses_with(entry.replacement)
         graph.erase_node(old)
-    rows = [_row(graph, entry) for entry in planned]
+    rows = [_row(graph, entry, config) for entry in planned]
     hot = counters["hot"]
     hot["sites_found"] += len(rows)
     hot["sites_rewritten"] += len(rewritten)

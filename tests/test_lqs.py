@@ -1,0 +1,146 @@
+"""Layer-wise quantizer selection: calibration rule, side effects, JSON round trip, and the compiled graph."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hot_compile import HotConfig
+from hot_compile.lqs import LayerChoice, QuantizerPlan, calibrate
+from tests.harness import aot_compile
+from tests.models import MLP, Block
+
+aten = torch.ops.aten
+
+
+def _batches(count=3, shape=(4, 32, 32), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen) for _ in range(count)]
+
+
+def _mean_square(model, x):
+    return model(x).square().mean()
+
+
+class Probe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 64)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _same_row_gradient(model, x):
+    # Every token's upstream gradient is the same vector: per-token scales equal the per-tensor one.
+    return (model(x) * torch.linspace(-1, 1, 64)).sum()
+
+
+def _scaled_one_hot_rows(model, x):
+    # Token t's upstream gradient is a_t · e_(t mod 64), a_t in 1..5: after the Hadamard transform
+    # each row is ±a_t in one block of 16 and 0 elsewhere, exact in INT4 with a per-row scale but
+    # not with one scale for all rows.
+    tokens = x.shape[:-1].numel()
+    t = torch.arange(tokens)
+    direction = torch.zeros(tokens, 64)
+    direction[t, t % 64] = (1 + t % 5).float()
+    return (model(x) * direction.view(*x.shape[:-1], 64)).sum()
+
+
+def test_rule_picks_per_token_only_where_it_halves_the_error():
+    torch.manual_seed(0)
+    probe = Probe()
+    uniform = calibrate(probe, _batches(), _same_row_gradient)
+    assert uniform.as_dict() == {"fc": "per_tensor"}
+    assert uniform.layers[0].per_token_error == pytest.approx(uniform.layers[0].per_tensor_error, rel=0.1)
+    varied = calibrate(probe, _batches(), _scaled_one_hot_rows)
+    assert varied.as_dict() == {"fc": "per_token"}
+    assert varied.layers[0].per_token_error < 0.05 * varied.layers[0].per_tensor_error
+
+
+def test_threshold_is_the_rule():
+    torch.manual_seed(0)
+    model = MLP()
+    plan = calibrate(model, _batches(), _mean_square)
+    ratio = max(c.per_token_error / c.per_tensor_error for c in plan.layers)
+    loose = calibrate(model, _batches(), _mean_square, threshold=min(1.0, ratio * 1.01))
+    assert set(loose.as_dict().values()) == {"per_token"}
+    with pytest.raises(ValueError, match="threshold"):
+        calibrate(model, _batches(), _mean_square, threshold=0)
+
+
+def test_calibration_leaves_no_trace():
+    torch.manual_seed(0)
+    model = Block()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    plan = calibrate(model, _batches(2), _mean_square)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not model._forward_hooks and not any(m._forward_hooks for m in model.modules())
+    assert [c.module for c in plan.layers] == sorted(["attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", "mlp.fc2"])
+
+
+def test_plan_is_deterministic_and_round_trips_through_json(tmp_path):
+    torch.manual_seed(0)
+    model = Block()
+    plan = calibrate(model, _batches(2), _mean_square)
+    again = calibrate(model, _batches(2), _mean_square)
+    assert plan == again and repr(plan) == repr(again) and hash(plan) == hash(again)
+
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = QuantizerPlan.load(path)
+    assert loaded == plan and repr(loaded) == repr(plan) and hash(loaded) == hash(plan)
+    assert loaded.source == plan.source and "threshold 0.5" in loaded.source
+    assert loaded.quantizer_for("mlp.fc1") == plan.quantizer_for("mlp.fc1")
+    assert loaded.quantizer_for("no.such.layer") is None
+
+
+def test_plan_order_does_not_matter_and_bad_plans_fail(tmp_path):
+    a = LayerChoice("b", "per_token", 2.0, 0.5)
+    b = LayerChoice("a", "per_tensor", 1.0, 0.9)
+    assert QuantizerPlan((a, b), "hand-made") == QuantizerPlan((b, a), "hand-made")
+    with pytest.raises(ValueError, match="more than once"):
+        QuantizerPlan((a, a), "hand-made")
+    with pytest.raises(ValueError, match="per_tensor"):
+        LayerChoice("a", "per_channel", 1.0, 1.0)
+    path = tmp_path / "other.json"
+    path.write_text('{"layers": []}')
+    with pytest.raises(ValueError, match="QuantizerPlan"):
+        QuantizerPlan.load(path)
+
+
+def _hq_gradient_scales(graphs, module):
+    """``"per_token"`` if the HQ rewrite of ``module`` takes a per-row max of the gradient, else ``"per_tensor"``."""
+    amaxes = [
+        n
+        for n in graphs.joint.graph.nodes
+        if n.target is aten.amax.default
+        and n.meta.get("hot_compile", {}).get("rewrite") == "hq_grad_input"
+        and n.meta["hot_compile"]["module"] == module
+    ]
+    assert amaxes, f"no HQ rewrite of {module}"
+    return "per_token" if any(len(n.args) > 2 and n.args[2] for n in amaxes) else "per_tensor"
+
+
+@pytest.mark.parametrize("as_file", [False, True])
+def test_plan_changes_the_compiled_quantizer(tmp_path, as_file):
+    plan = QuantizerPlan(
+        (LayerChoice("fc1", "per_tensor", 1.0, 0.9), LayerChoice("fc2", "per_token", 1.0, 0.2)), "hand-made"
+    )
+    if as_file:
+        plan.save(tmp_path / "plan.json")
+    x = torch.randn(4, 32, 32, requires_grad=True)
+
+    def compile_with(config):
+        torch._dynamo.reset()
+        compiled, graphs = aot_compile(MLP(), config)
+        compiled(x).square().mean().backward()
+        return graphs
+
+    base = HotConfig(policy="hot", strict=True)
+    without = compile_with(base)
+    assert [_hq_gradient_scales(without, m) for m in ("fc1", "fc2")] == ["per_tensor", "per_tensor"]
+    with_plan = compile_with(base.replace(plan=str(tmp_path / "plan.json") if as_file else plan))
+    assert [_hq_gradient_scales(with_plan, m) for m in ("fc1", "fc2")] == ["per_tensor", "per_token"]
