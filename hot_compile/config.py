@@ -35,7 +35,9 @@ class HotConfig:
     """Settings of the HOT joint-graph rewrite.
 
     Attributes:
-        policy: which legal sites to rewrite, judged by the cost model (``passes/cost_model.py``):
+        policy: which legal sites to rewrite, judged by the cost model (``passes/cost_model.py``;
+            default: env ``HOT_POLICY``, else ``"balanced"``, for pipelines that name the backend
+            only by string, like Hugging Face's ``torch_compile_backend="hot"``):
             ``"balanced"`` the paper's recipe unless estimated more than ``max_slowdown`` slower;
             ``"hot"`` the paper's recipe everywhere; ``"speed"`` only where estimated faster;
             ``"memory"`` every grad_weight (to compress its saved activation) and grad_input where
@@ -62,7 +64,7 @@ class HotConfig:
         dump_dir: folder for per-graph dumps of what the pass did (default: env ``HOT_DUMP_DIR``).
     """
 
-    policy: str = "balanced"
+    policy: str = dataclasses.field(default_factory=lambda: os.environ.get("HOT_POLICY") or "balanced")
     max_slowdown: float = 0.25
     overrides: tuple = ()
     device_profile: str = "auto"
