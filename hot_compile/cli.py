@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import explain
+from . import demo, explain
 
 
 def _version(_: argparse.Namespace) -> int:
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--no-save", action="store_true", help="print the profile without caching it")
     calibrate.set_defaults(run=_calibrate_device)
     explain.add_parser(sub)
+    demo.add_parser(sub)
     return parser
 
 

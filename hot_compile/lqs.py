@@ -70,11 +70,6 @@ class QuantizerPlan:
                 return choice.quantizer
         return None
 
-    def overrides(self) -> tuple[tuple[str, dict[str, str]], ...]:
-        """The plan as ``HotConfig.overrides`` entries: each module path (a glob matching only
-        itself) with its ``gx_quantizer``."""
-        return tuple((c.module, {"gx_quantizer": c.quantizer}) for c in self.layers)
-
     def as_dict(self) -> dict[str, str]:
         """Module path → quantizer."""
         return {c.module: c.quantizer for c in self.layers}

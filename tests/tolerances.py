@@ -39,3 +39,7 @@ HQ_HALF_PRECISION = 0.45
 # compounds through the layers below (measured up to 0.36: a LayerNorm below the q/k/v INT4
 # grad_input products, 51 tokens).
 E2E_GRAD = 0.45
+
+# Training tasks: both backends start from one model and one batch, and HOT changes only the
+# backward, so their first losses agree up to Inductor fusing the forward differently.
+TASK_FIRST_LOSS_RTOL = 1e-5

@@ -1,0 +1,39 @@
+"""``python -m hot_compile.tasks TASK``: train a task with inductor fp32 and hot side by side and print
+the comparison (the numbers in BENCHMARKS.md). ``ablation`` runs task 1 with each part of HOT alone."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import runner
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hot_compile.tasks", description=__doc__)
+    parser.add_argument("task", choices=[*runner.TASKS, "ablation"])
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the task's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny", action="store_true", help="tiny model and data, a few steps")
+    parser.add_argument("--json", metavar="PATH", help="also write every number (curves, reports) as JSON")
+    args = parser.parse_args(argv)
+
+    name = "gpt" if args.task == "ablation" else args.task
+    variants = runner.ablation_variants(runner.spec("gpt").hot) if args.task == "ablation" else None
+
+    def progress(step: int, losses: dict[str, float]) -> None:
+        if step % 50 == 0:
+            print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in losses.items()), flush=True)
+
+    task, results = runner.run(name, variants, tiny=args.tiny, steps=args.steps, seed=args.seed, progress=progress)
+    print(runner.summary(task, results))
+    for result in results:
+        print(f"{result.variant}: " + ", ".join(f"step {s}: {m[task.metric]:.4f}" for s, m in result.evals))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(runner.to_json(task, results) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
