@@ -225,5 +225,5 @@ def gap(task: Task, reference: RunResult, other: RunResult) -> float:
     relative for losses, in percentage points for accuracies."""
     ref, val = reference.final[task.metric], other.final[task.metric]
     if task.higher_is_better:
-        return 100.0 * (ref - val)
+        return ref - val  # accuracies are in percent already
     return (val - ref) / ref

@@ -31,8 +31,8 @@ def corpus() -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class GPTSize:
-    dim: int = 128
-    layers: int = 3
+    dim: int = 64
+    layers: int = 2
     heads: int = 4
     context: int = 64
     batch: int = 16
