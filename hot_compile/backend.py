@@ -8,12 +8,14 @@ context: the backward is compiled lazily, outside any context around this call).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable
 
 import torch
 
+from . import report
 from .config import HotConfig, split_options
-from .inspection import record_partition
+from .inspection import NO_COMPILE_ID, record_partition
 from .passes import HotJointPass, joint_pass
 
 
@@ -38,10 +40,36 @@ def compile_with_hot(
 
     patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
     patches.update(inductor_options or {})
+    hot_pass = joint_pass(config)
     patches["joint_custom_post_pass"] = _chain_joint_passes(
-        patches.get("joint_custom_post_pass", torch._inductor.config.joint_custom_post_pass), joint_pass(config)
+        patches.get("joint_custom_post_pass", torch._inductor.config.joint_custom_post_pass), hot_pass
     )
-    return compile_fx(gm, example_inputs, inner_compile=_showing_partitions(config), config_patches=patches)
+    published = report.publications()
+    compiled = compile_fx(gm, example_inputs, inner_compile=_showing_partitions(config), config_patches=patches)
+    _keep_report(gm, example_inputs, hot_pass, ran=report.publications() != published)
+    return compiled
+
+
+def _keep_report(gm: torch.fx.GraphModule, example_inputs: list, hot_pass: HotJointPass, ran: bool) -> None:
+    """Make ``last_report()`` describe this compile even when a cache hit skipped the pass: the pass's
+    report is kept under a key of what decides the joint graph and the pass (the Dynamo graph, its
+    inputs' metadata, grad and autocast state, the pass's uuid) and recalled on a hit."""
+    uuid = hot_pass.uuid()
+    if uuid is None:  # caches are bypassed, the pass always runs
+        return
+    metas = [
+        (tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else t
+        for t in example_inputs
+    ]
+    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")]
+    state = f"{gm.code}|{metas}|{torch.is_grad_enabled()}|{autocast}|{uuid!r}"
+    key = hashlib.sha256(state.encode()).hexdigest()
+    last = report.last_report()
+    if ran and last is not None:
+        report.remember(key, last)
+    elif not ran:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        report.publish(report.recall(key, str(compile_id) if compile_id is not None else NO_COMPILE_ID))
 
 
 def _showing_partitions(config: HotConfig) -> Callable:

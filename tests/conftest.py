@@ -1,5 +1,14 @@
 import pytest
 import torch
+from torch._inductor.utils import fresh_cache
+
+
+@pytest.fixture(autouse=True, scope="session")
+def session_cache():
+    """One empty Inductor/AOTAutograd cache for the run: whatever earlier runs left on this machine
+    never decides whether a test's compile runs the pass."""
+    with fresh_cache():
+        yield
 
 
 @pytest.fixture(autouse=True)

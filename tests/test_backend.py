@@ -133,6 +133,23 @@ def fx_graph_cache():
         yield
 
 
+def test_report_of_a_cache_hit_is_the_one_its_compile_made(fx_graph_cache):
+    from torch._dynamo.utils import counters
+
+    model = MLP()
+    reports, found = [], []
+    for tokens in (64, 16, 64):  # the middle compile's report differs from the others
+        torch._dynamo.reset()
+        before = counters["hot"]["sites_found"]
+        compiled = torch.compile(model, backend="hot", options={"strict": True, "policy": "hot"})
+        _grads(model, compiled, torch.randn(4, tokens, 32))
+        found.append(counters["hot"]["sites_found"] - before)
+        reports.append(hot_compile.last_report())
+    assert found[0] > 0 and found[1] > 0 and found[2] == 0  # the last compile was served from a cache
+    assert reports[1].rows != reports[0].rows
+    assert reports[2].rows == reports[0].rows and reports[2].select(decision="HLA+ABC")
+
+
 def test_changing_config_recompiles_despite_cache(fx_graph_cache):
     model, x = MLP(), torch.randn(4, 64, 32)
 
@@ -166,7 +183,8 @@ def test_pass_failure_keeps_training(monkeypatch):
 
 def test_joint_pass_inside_an_inductor_pipeline():
     model = MLP()
-    with torch._inductor.config.patch(joint_custom_post_pass=hot_compile.joint_pass(HotConfig(strict=True, policy="hot"))):
+    # fresh caches: outside backend="hot" nothing recalls the report of a graph served from a cache
+    with fresh_cache(), torch._inductor.config.patch(joint_custom_post_pass=hot_compile.joint_pass(HotConfig(strict=True, policy="hot"))):
         compiled = torch.compile(model, backend="inductor")
         compiled(torch.randn(4, 40, 32)).sum().backward()
     assert len(hot_compile.last_report().select(decision="HQ")) == 1  # input has no grad: fc2 only
