@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 BLOCK = 16
 _BLOCK_BITS = 4  # BLOCK == 2 ** _BLOCK_BITS
@@ -55,16 +56,32 @@ def block_transform(x: torch.Tensor, basis: torch.Tensor, dim: int) -> torch.Ten
 
     ``dim`` of length ``n`` is zero-padded to ``16·⌈n/16⌉`` (zeros add nothing to any later
     contraction over it) and comes out with length ``r·⌈n/16⌉``: group ``b`` of the output holds
-    ``basis @ x[16b : 16b+16]``. Computed as a broadcast multiply-sum in ``x``'s dtype, which Inductor
-    fuses into one loop with the producer and consumer; any strides are accepted.
+    ``basis @ x[16b : 16b+16]``. Computed in ``x``'s dtype; any strides are accepted.
+
+    Along the last dimension the product is 16 multiply-adds of strided slices, a pointwise expression
+    that Inductor fuses with the scale reduction and the quantizer after it. Along any other dimension
+    it is a batched matmul with the basis (a view for contiguous ``x``). Both avoid the form that
+    measured worst on CPU, a sum over a length-16 axis: Inductor parallelised that tiny axis and opened
+    a thread team for every output row.
     """
     dim = dim % x.dim()
     n = x.shape[dim]
-    x = x.movedim(dim, -1)
-    x = F.pad(x, (0, padded_length(n) - n))
-    blocks = x.unflatten(-1, (-1, BLOCK))  # [..., nb, 16]
-    y = (blocks.unsqueeze(-2) * basis.to(x.dtype)).sum(-1)  # [..., nb, r]
-    return y.flatten(-2).movedim(-1, dim)
+    # Skipped only when provably a no-op: a test on a symbolic length would install a guard.
+    if not statically_known_true(padded_length(n) == n):
+        x = F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, padded_length(n) - n])
+    basis = basis.to(x.dtype)
+    blocks = x.unflatten(dim, (-1, BLOCK))  # [..., nb, 16, rest...]
+    if dim == x.dim() - 1:
+        blocks = blocks.unsqueeze(-2)  # [..., nb, 1, 16]
+        y = blocks[..., 0] * basis[:, 0]
+        for j in range(1, BLOCK):
+            y = y + blocks[..., j] * basis[:, j]  # [..., nb, r]
+        return y.flatten(-2)
+    lead, rest = blocks.shape[: dim + 1], blocks.shape[dim + 2 :]
+    stacked = blocks.flatten(dim + 2).flatten(0, dim)  # [prod(lead), 16, prod(rest)]
+    # An explicit bmm: matmul's broadcasting logic tests the batch size (a guard under dynamic shapes).
+    y = torch.bmm(basis.expand(stacked.shape[0], -1, -1), stacked)  # [prod(lead), r, prod(rest)]
+    return y.unflatten(0, lead).unflatten(-1, rest).flatten(dim, dim + 1)
 
 
 def block_hadamard(x: torch.Tensor, dim: int) -> torch.Tensor:

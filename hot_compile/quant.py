@@ -19,8 +19,7 @@ import torch
 MIN_BITS = 2
 MAX_BITS = 8
 
-_MASK32 = 0xFFFFFFFF
-# Odd multipliers below 2**31 keep every intermediate product of a 32-bit value inside int64.
+# Odd multipliers below 2**31 (positive as int32).
 _MIX_A = 0x7FEB352D
 _MIX_B = 0x2C1B3C6D
 _SEED_MULT = 0x61C88647
@@ -43,25 +42,40 @@ def guard_scale(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
+def _int32(value: int) -> int:
+    """The signed 32-bit integer with the same low 32 bits as ``value``."""
+    return (value + 2**31) % 2**32 - 2**31
+
+
+def _shr32(h: torch.Tensor, bits: int) -> torch.Tensor:
+    # Logical right shift of 32-bit words held in int32: the arithmetic shift, with the copies of the
+    # sign bit masked off.
+    return (h >> bits) & ((1 << (32 - bits)) - 1)
+
+
 def _mix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = (h * _MIX_A) & _MASK32
-    h = h ^ (h >> 15)
-    h = (h * _MIX_B) & _MASK32
-    return h ^ (h >> 16)
+    # int32 multiplication wraps modulo 2**32, which is the 32-bit arithmetic the finalizer wants.
+    h = h ^ _shr32(h, 16)
+    h = h * _MIX_A
+    h = h ^ _shr32(h, 15)
+    h = h * _MIX_B
+    return h ^ _shr32(h, 16)
 
 
 def hash_uniform(like: torch.Tensor, seed: torch.Tensor, salt: int = 0) -> torch.Tensor:
     """Float32 noise in ``[0, 1)`` of ``like``'s shape, a pure function of (element index, seed, salt).
 
     ``u = mix32(mix32(index + seed·A + salt·B)) >> 8 · 2⁻²⁴`` where ``mix32`` is a xor-shift/multiply
-    finalizer on 32-bit words. ``seed`` is an int64 scalar tensor; ``salt`` separates the noise of
+    finalizer on 32-bit words. ``seed`` is an integer scalar tensor; ``salt`` separates the noise of
     different quantizers that share a seed.
+
+    The words are computed in int32 lanes (wrapping arithmetic, logical shifts by masking), twice as
+    many per vector register as int64, for the same values as the 32-bit formula.
     """
-    index = torch.arange(like.numel(), device=like.device, dtype=torch.int64).view(like.shape)
-    h = (index + seed.to(torch.int64) * _SEED_MULT + salt * _SALT_MULT) & _MASK32
-    h = _mix32(_mix32(h))
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    index = torch.arange(like.numel(), device=like.device, dtype=torch.int64).to(torch.int32).view(like.shape)
+    offset = seed.to(torch.int64).to(torch.int32) * _SEED_MULT + _int32(salt * _SALT_MULT)
+    h = _mix32(_mix32(index + offset))
+    return _shr32(h, 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
 def quantize_stochastic(

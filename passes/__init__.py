@@ -23,6 +23,7 @@ from .. import inspection  # a module, not names: hot_compile.inspection reads p
 from ..report import Report, SiteRow, publish
 from .cost_model import SiteCost, grad_input_cost, grad_weight_cost
 from .decide import decide
+from .inline import Float32Casts
 from .legality import why_illegal
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
@@ -86,6 +87,7 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
     """Decide every site and insert the rewrites; the graph's old matmuls still stand afterwards."""
     created: list[fx.Node] = []
     compressed = CompressedActivations(graph, created)
+    casts = Float32Casts(graph, created)
     profiles: dict = {}
     planned: list[_Planned] = []
     try:
@@ -103,11 +105,11 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
                 entry = _Planned(site, path, "kept", decision.reason, cost)
                 if decision.rewrite and path == "gx":
                     entry.decision = "HQ"
-                    entry.replacement = rewrite_grad_input(graph, site, site_config, created)
+                    entry.replacement = rewrite_grad_input(graph, site, site_config, casts, created)
                 elif decision.rewrite:
                     entry.decision = "HLA+ABC"
                     entry.buffers = compressed.get(site, site_config)
-                    entry.replacement = rewrite_grad_weight(graph, site, site_config, compressed, created)
+                    entry.replacement = rewrite_grad_weight(graph, site, site_config, compressed, casts, created)
                 planned.append(entry)
     except BaseException:
         for node in reversed(created):

@@ -6,19 +6,26 @@ import torch.fx as fx
 
 from ..config import HotConfig
 from ..ops import draw_seed, hq_grad_input
-from .inline import insert_traced
+from .inline import Float32Casts, insert_traced
 from .provenance import provenance
-from .sites import LinearSite
+from .sites import LinearSite, strip_transposes
 
 REWRITE = "hq_grad_input"
 
 
-def rewrite_grad_input(graph: fx.Graph, site: LinearSite, config: HotConfig, created: list[fx.Node]) -> fx.Node:
+def rewrite_grad_input(
+    graph: fx.Graph, site: LinearSite, config: HotConfig, casts: Float32Casts, created: list[fx.Node]
+) -> fx.Node:
     """Insert the HQ computation of ``site``'s grad_input; returns the node to stand in for the mm."""
     use = site.grad_input
+    meta = provenance(REWRITE, site.module_path, "gx", use.node, "backward")
+    source, flipped = strip_transposes(use.grad)
+    grad = casts.get(source, meta)
+    transposed = use.grad_transposed != flipped
+    out_dtype = use.node.meta["val"].dtype
 
     def hq(grad, weight):
-        g = grad.t() if use.grad_transposed else grad
+        g = grad.t() if transposed else grad
         out = hq_grad_input(
             g,
             weight,
@@ -27,8 +34,7 @@ def rewrite_grad_input(graph: fx.Graph, site: LinearSite, config: HotConfig, cre
             weight_bits=config.gx_bits,
             per_token=config.gx_quantizer == "per_token",
             hadamard=config.hadamard,
-        )
+        ).to(out_dtype)
         return out.t() if use.out_transposed else out
 
-    meta = provenance(REWRITE, site.module_path, "gx", use.node, "backward")
-    return insert_traced(graph, hq, [use.grad, site.weight], before=use.node, meta=meta, created=created)
+    return insert_traced(graph, hq, [grad, site.weight], before=use.node, meta=meta, created=created)

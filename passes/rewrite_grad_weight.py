@@ -13,9 +13,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..config import HotConfig
 from ..ops import compress_activation, draw_seed, hla_grad_weight
-from .inline import insert_traced
+from .inline import Float32Casts, insert_traced
 from .provenance import provenance
-from .sites import LinearSite, same_value
+from .sites import LinearSite, same_value, strip_transposes
 
 COMPRESS = "compress_activation"
 REWRITE = "hla_grad_weight"
@@ -47,17 +47,25 @@ class CompressedActivations:
 
 
 def rewrite_grad_weight(
-    graph: fx.Graph, site: LinearSite, config: HotConfig, compressed: CompressedActivations, created: list[fx.Node]
+    graph: fx.Graph,
+    site: LinearSite,
+    config: HotConfig,
+    compressed: CompressedActivations,
+    casts: Float32Casts,
+    created: list[fx.Node],
 ) -> fx.Node:
     """Insert the HLA computation of ``site``'s grad_weight; returns the node to stand in for the mm."""
     use = site.grad_weight
     x_q, x_scale = compressed.get(site, config)
     out_dtype = use.node.meta["val"].dtype
+    meta = provenance(REWRITE, site.module_path, "gw", use.node, "backward")
+    source, flipped = strip_transposes(use.grad)
+    grad = casts.get(source, meta)
+    transposed = use.grad_transposed != flipped
 
     def hla(grad, xq, xs):
-        g = grad.t() if use.grad_transposed else grad
+        g = grad.t() if transposed else grad
         out = hla_grad_weight(g, xq, xs, draw_seed(g), rank=config.rank, bits=config.gw_bits, out_dtype=out_dtype)
         return out.t() if use.out_transposed else out
 
-    meta = provenance(REWRITE, site.module_path, "gw", use.node, "backward")
-    return insert_traced(graph, hla, [use.grad, x_q, x_scale], before=use.node, meta=meta, created=created)
+    return insert_traced(graph, hla, [grad, x_q, x_scale], before=use.node, meta=meta, created=created)

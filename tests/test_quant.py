@@ -98,3 +98,27 @@ def test_hash_uniform_is_uniform_and_seeded():
     assert torch.equal(u, quant.hash_uniform(like, SEED))
     assert not torch.equal(u, quant.hash_uniform(like, SEED + 1))
     assert not torch.equal(u, quant.hash_uniform(like, SEED, salt=1))
+
+
+def _mix32_reference(h: int) -> int:
+    mask = 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * 0x7FEB352D) & mask
+    h ^= h >> 15
+    h = (h * 0x2C1B3C6D) & mask
+    return h ^ (h >> 16)
+
+
+@pytest.mark.parametrize("seed, salt", [(0, 0), (7, 1), (2**31 - 2, 2), (123456789, 5)])
+def test_hash_uniform_is_the_32bit_formula_eager_and_compiled(seed, salt):
+    # The int32-lane implementation must give exactly the unsigned 32-bit words of the formula.
+    like = torch.empty(3, 37)
+    words = [
+        _mix32_reference(_mix32_reference((i + seed * 0x61C88647 + salt * 0x3C6EF372) & 0xFFFFFFFF))
+        for i in range(like.numel())
+    ]
+    u = quant.hash_uniform(like, torch.tensor(seed), salt)
+    assert u.flatten().tolist() == [(w >> 8) / 2**24 for w in words]
+    compiled = torch.compile(quant.hash_uniform, backend="inductor", fullgraph=True)
+    big = torch.empty(300, 77)
+    assert torch.equal(compiled(big, torch.tensor(seed), salt), quant.hash_uniform(big, torch.tensor(seed), salt))
