@@ -4,10 +4,12 @@ from torch._inductor.utils import fresh_cache
 
 
 @pytest.fixture(autouse=True, scope="session")
-def session_cache():
-    """One empty Inductor/AOTAutograd cache for the run: whatever earlier runs left on this machine
-    never decides whether a test's compile runs the pass."""
-    with fresh_cache():
+def session_cache(tmp_path_factory):
+    """One empty Inductor/AOTAutograd cache and no calibrated device profile for the run: whatever
+    earlier runs or ``hot-compile calibrate-device`` left on this machine never decides whether a
+    test's compile runs the pass or what the cost model picks."""
+    with fresh_cache(), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOT_CACHE_DIR", str(tmp_path_factory.mktemp("hot_cache")))
         yield
 
 
