@@ -99,5 +99,5 @@ class ByteLMTask:
 
 
 TINY = GPTSize(dim=32, layers=1, heads=2, context=32, batch=4)
-DEFAULT_SCHEDULE = Schedule(steps=200, lr=3e-3, warmup=20, eval_every=50)
+DEFAULT_SCHEDULE = Schedule(steps=2000, lr=3e-3, warmup=20, eval_every=250)
 TINY_SCHEDULE = Schedule(steps=3, lr=3e-3)

