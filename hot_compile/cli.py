@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate-device", help="measure this CPU's matmul, int8 and memory rates for the cost model"
     )
     calibrate.add_argument("--size", type=int, default=1024, help="matmul size of the micro-benchmarks")
-    calibrate.add_argument("--repeats", type=int, default=7, help="timed repeats per micro-benchmark (median)")
+    calibrate.add_argument("--repeats", type=int, default=15, help="timed repeats per micro-benchmark (median)")
     calibrate.add_argument("--no-save", action="store_true", help="print the profile without caching it")
     calibrate.set_defaults(run=_calibrate_device)
     explain.add_parser(sub)
