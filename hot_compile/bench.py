@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import datetime
 import gc
@@ -42,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import POLICIES
+from .memory import saved_for_backward_bytes
 
 SECTION_TITLE = "Speed and memory"
 MODELS = ("mlp", "vit", "minilm")
@@ -263,15 +263,6 @@ def _autocast(variant: str):
     return torch.autocast("cpu", torch.bfloat16, enabled=variant.endswith("bf16"))
 
 
-def _storages(t: torch.Tensor) -> list[tuple[int, int]]:
-    """(data pointer, bytes) of each storage behind ``t``, through traceable tensor subclasses."""
-    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return [s for name in names for s in _storages(getattr(t, name))]
-    storage = t.untyped_storage()
-    return [(storage.data_ptr(), storage.nbytes())]
-
-
 def _status_kib(field: str) -> int | None:
     try:
         with open("/proc/self/status") as f:
@@ -339,18 +330,7 @@ class Runner:
         self.bwd.append(backward)
 
     def saved_bytes(self) -> int:
-        excluded = {ptr for p in self.model.parameters() for ptr, _ in _storages(p)}
-        seen: dict[int, int] = {}
-
-        def pack(t):
-            for ptr, nbytes in _storages(t):
-                if ptr not in excluded:
-                    seen.setdefault(ptr, nbytes)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            self.step(0)
-        return sum(seen.values())
+        return saved_for_backward_bytes(lambda: self.step(0), self.model.parameters())
 
     def peak_rss(self) -> tuple[int | None, int | None]:
         """(peak RSS during a step, its growth over the RSS before the step), in bytes."""

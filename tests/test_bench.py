@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from hot_compile import bench, cli
 
@@ -123,3 +124,17 @@ def test_from_json_renders_several_runs_into_one_section(tmp_path):
     assert "Run 2026-01-01" in text and "`hot-compile bench --models vit`" in text
     merged = json.loads((tmp_path / "all" / "bench.json").read_text())
     assert [c["model"] for c in merged["cases"]] == ["mlp", "vit"] and len(merged["runs"]) == 2
+
+
+def test_saved_for_backward_bytes_counts_each_storage_once():
+    from hot_compile.memory import saved_for_backward_bytes
+
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step():
+        s = x.sin()  # saves x
+        (s @ w + s.view(32).view(4, 8) @ w).sum().backward()  # saves s twice (one storage) and w
+
+    assert saved_for_backward_bytes(step, [w]) == 2 * 4 * 8 * 4
+    assert saved_for_backward_bytes(step) == 2 * 4 * 8 * 4 + 8 * 8 * 4

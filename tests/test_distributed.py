@@ -46,7 +46,6 @@ def _reference_grads() -> dict[str, torch.Tensor]:
 
 
 def _train_step(rank: int, wrapping: str) -> tuple[dict[str, torch.Tensor], int]:
-    import hot_compile
 
     torch._dynamo.reset()
     torch.manual_seed(0)

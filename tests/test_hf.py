@@ -6,7 +6,6 @@ which refuses any backend it does not list ("'HOT' is not a valid DynamoBackend"
 compiled in place with ``nn.Module.compile(backend="hot")``: same module, same state-dict keys.
 """
 
-import os
 
 import pytest
 import torch

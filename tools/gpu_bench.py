@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hot_compile.memory import saved_for_backward_bytes
+
 
 class MLPBlock(nn.Module):
     def __init__(self, dim=768, hidden=3072):
@@ -41,25 +43,6 @@ class LinearStack(nn.Module):
         for layer in self.layers:
             x = F.gelu(layer(x))
         return x
-
-
-def _saved_bytes(fn, params) -> int:
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: set[int] = set()
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip and ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    out.backward(torch.ones_like(out))
-    return total
 
 
 def run_variant(model, backend, dtype, xs, grad, iters):
@@ -86,7 +69,7 @@ def run_variant(model, backend, dtype, xs, grad, iters):
         step.append(start.elapsed_time(end))
         bwd.append(mid.elapsed_time(end))
     torch.cuda.reset_peak_memory_stats()
-    saved = _saved_bytes(lambda: forward(xs[0]), list(model.parameters()))
+    saved = saved_for_backward_bytes(lambda: forward(xs[0]).backward(grad), model.parameters())
     peak = torch.cuda.max_memory_allocated()
     model.zero_grad()
     forward(xs[0]).backward(grad)

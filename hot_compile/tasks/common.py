@@ -22,6 +22,7 @@ import torch.nn as nn
 import hot_compile
 from hot_compile.config import HotConfig
 from hot_compile.lqs import QuantizerPlan, calibrate
+from hot_compile.memory import saved_for_backward_bytes
 from hot_compile.report import Report
 
 Batch = tuple[torch.Tensor, ...]
@@ -126,21 +127,7 @@ def saved_activation_bytes(model: nn.Module, batch: Batch) -> int:
     Counted by storage through ``saved_tensors_hooks`` (each storage once), then the backward runs
     so the graph is freed; gradients are cleared and no optimizer step is taken.
     """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(*batch)
-    loss.backward()
+    total = saved_for_backward_bytes(lambda: model(*batch).backward(), model.parameters())
     model.zero_grad(set_to_none=True)
     return total
 
