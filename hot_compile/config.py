@@ -11,8 +11,12 @@ from .quant import MAX_BITS, MIN_BITS
 
 POLICIES = ("balanced", "hot", "speed", "memory", "off")
 # Keys a per-module override may set.
-OVERRIDABLE = ("policy", "gx_bits", "gw_bits", "rank", "gx_quantizer", "rewrite_gx", "rewrite_gw", "hadamard", "max_slowdown")
+OVERRIDABLE = (
+    "policy", "gx_bits", "gw_bits", "rank", "gx_quantizer", "weight_quantizer", "rewrite_gx", "rewrite_gw",
+    "hadamard", "max_slowdown",
+)  # fmt: skip
 GX_QUANTIZERS = ("per_tensor", "per_token")
+WEIGHT_QUANTIZERS = ("sawb", "stochastic")
 
 
 def _fail(key: str, value: Any, accepted: str) -> None:
@@ -52,6 +56,9 @@ class HotConfig:
         gw_bits: bit width of both operands of the grad_weight product (HLA), 2..8.
         rank: rows kept of each 16-token Walsh block for HLA/ABC, 1..16 (16 = no low-rank error).
         gx_quantizer: scale granularity of the grad_input gradient: ``"per_tensor"`` or ``"per_token"``.
+        weight_quantizer: how HQ quantizes the transformed weight: ``"sawb"`` (the paper's SAWB clip,
+            round-to-nearest: a fixed bias, since the clip cuts the tails at any bit width) or
+            ``"stochastic"`` (max scale, stochastic rounding: unbiased, a little more variance).
         include: module-path globs to consider (``fnmatch`` against paths like ``blocks.0.mlp.fc1``).
         exclude: module-path globs to leave alone; wins over ``include``.
         rewrite_gx: rewrite grad_input products (HQ); off leaves them to Inductor.
@@ -72,6 +79,7 @@ class HotConfig:
     gw_bits: int = 8
     rank: int = 8
     gx_quantizer: str = "per_tensor"
+    weight_quantizer: str = "sawb"
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     rewrite_gx: bool = True
@@ -95,6 +103,8 @@ class HotConfig:
             _fail("rank", self.rank, "an int in 1..16")
         if self.gx_quantizer not in GX_QUANTIZERS:
             _fail("gx_quantizer", self.gx_quantizer, " | ".join(map(repr, GX_QUANTIZERS)))
+        if self.weight_quantizer not in WEIGHT_QUANTIZERS:
+            _fail("weight_quantizer", self.weight_quantizer, " | ".join(map(repr, WEIGHT_QUANTIZERS)))
         for key in ("rewrite_gx", "rewrite_gw", "hadamard", "strict"):
             if type(getattr(self, key)) is not bool:
                 _fail(key, getattr(self, key), "True or False")

@@ -17,6 +17,7 @@ from .quant import quantize_nearest, quantize_sawb, quantize_stochastic
 # Distinct noise streams for the two stochastic quantizers of one linear layer sharing a seed.
 SALT_GRAD_INPUT = 1
 SALT_GRAD_WEIGHT = 2
+SALT_WEIGHT = 3
 
 DEFAULT_GX_BITS = 4
 DEFAULT_GW_BITS = 8
@@ -53,12 +54,15 @@ def hq_grad_input(
     weight_bits: int = DEFAULT_GX_BITS,
     per_token: bool = False,
     hadamard: bool = True,
+    stochastic_weight: bool = False,
 ) -> torch.Tensor:
     """grad_input of a linear by Hadamard quantization (HQ).
 
     ``g W = (g B)(B W) / 16`` with ``B = blockdiag(H16, …)`` along N, so
     ``grad_x ≈ int_mm(q(gB), q(BW)) · s_g · s_w / 16``: ``q(gB)`` stochastic (per-tensor, or per-row
-    when ``per_token``), ``q(BW)`` SAWB round-to-nearest. Returns ``[..., K]`` in ``grad_output``'s dtype.
+    when ``per_token``), ``q(BW)`` SAWB round-to-nearest, or with ``stochastic_weight`` stochastic at
+    the max scale (then ``E[q(BW)] = BW`` and the product is unbiased; SAWB's clip is not).
+    Returns ``[..., K]`` in ``grad_output``'s dtype.
     ``hadamard=False`` quantizes ``g`` and ``W`` as they are (plain INT4, the ablation baseline).
     """
     n, k = weight.shape
@@ -67,7 +71,10 @@ def hq_grad_input(
     if hadamard:
         g2, w = block_hadamard(g2, 1), block_hadamard(w, 0)
     qg, sg = quantize_stochastic(g2, grad_bits, seed, per_token=per_token, salt=SALT_GRAD_INPUT)
-    qw, sw = quantize_sawb(w, weight_bits)
+    if stochastic_weight:
+        qw, sw = quantize_stochastic(w, weight_bits, seed, salt=SALT_WEIGHT)
+    else:
+        qw, sw = quantize_sawb(w, weight_bits)
     norm = BLOCK if hadamard else 1
     out = int8_matmul(qg, qw).to(torch.float32) * (sg * (sw / norm))
     return out.to(grad_output.dtype).reshape(*grad_output.shape[:-1], k)

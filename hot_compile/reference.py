@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .hadamard import BLOCK
-from .ops import SALT_GRAD_INPUT, SALT_GRAD_WEIGHT
+from .ops import SALT_GRAD_INPUT, SALT_GRAD_WEIGHT, SALT_WEIGHT
 from .quant import SAWB_C1, SAWB_C2, hash_uniform, qmax
 
 F64 = torch.float64
@@ -69,11 +69,15 @@ def sawb(v: torch.Tensor, bits: int):
     return torch.round(v / scale).clamp(-qm, qm), scale
 
 
-def hq_grad_input(g, w, seed, *, grad_bits=4, weight_bits=4, per_token=False):
+def hq_grad_input(g, w, seed, *, grad_bits=4, weight_bits=4, per_token=False, stochastic_weight=False):
     n, k = w.shape
     gt = block_transform(g.reshape(-1, n), sylvester_hadamard(), 1)
     qg, sg = stochastic(gt, grad_bits, hash_uniform(gt, seed, SALT_GRAD_INPUT), per_token)
-    qw, sw = sawb(block_transform(w, sylvester_hadamard(), 0), weight_bits)
+    wt = block_transform(w, sylvester_hadamard(), 0)
+    if stochastic_weight:
+        qw, sw = stochastic(wt, weight_bits, hash_uniform(wt, seed, SALT_WEIGHT), False)
+    else:
+        qw, sw = sawb(wt, weight_bits)
     return ((qg @ qw) * sg * sw / BLOCK).reshape(*g.shape[:-1], k)
 
 

@@ -121,8 +121,11 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
 def _row(graph: fx.Graph, entry: _Planned, config: HotConfig) -> SiteRow:
     site, reason = entry.site, entry.reason
     if entry.path == "gx" and entry.decision != "kept":
-        quantizer = config.for_module(site.module_path).gx_quantizer
-        reason += f"; g quantizer {quantizer} ({config.quantizer_source(site.module_path)})"
+        site_config = config.for_module(site.module_path)
+        reason += (
+            f"; g quantizer {site_config.gx_quantizer} ({config.quantizer_source(site.module_path)}),"
+            f" W quantizer {site_config.weight_quantizer}"
+        )
     before = after = None
     if entry.path == "gw":
         before = after = _bytes(site.x2d.meta["val"])

@@ -34,6 +34,7 @@ def rewrite_grad_input(
             weight_bits=config.gx_bits,
             per_token=config.gx_quantizer == "per_token",
             hadamard=config.hadamard,
+            stochastic_weight=config.weight_quantizer == "stochastic",
         ).to(out_dtype)
         return out.t() if use.out_transposed else out
 

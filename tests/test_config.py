@@ -26,6 +26,7 @@ def test_frozen():
         ("rank", 17, "1..16"),
         ("rank", True, "1..16"),
         ("gx_quantizer", "per_channel", "'per_token'"),
+        ("weight_quantizer", "nearest", "'stochastic'"),
         ("include", "", "globs"),
         ("exclude", ["blocks.[0"], "globs"),
         ("exclude", 3, "glob"),

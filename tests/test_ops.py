@@ -17,14 +17,15 @@ def _operands(kind, seed=0):
     return g, w, x
 
 
+@pytest.mark.parametrize("stochastic_weight", [False, True])
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("shape", [(L,), (5, 80), (2, 4, 50)])
-def test_hq_matches_reference_2d_and_nd(per_token, shape):
+def test_hq_matches_reference_2d_and_nd(per_token, shape, stochastic_weight):
     g = make("gaussian", int(torch.tensor(shape).prod()), N).reshape(*shape, N)
     w = make("gaussian", N, K, 1)
-    out = ops.hq_grad_input(g, w, SEED, per_token=per_token)
+    out = ops.hq_grad_input(g, w, SEED, per_token=per_token, stochastic_weight=stochastic_weight)
     assert out.shape == (*shape, K) and out.dtype == g.dtype
-    ref = reference.hq_grad_input(g, w, SEED, per_token=per_token)
+    ref = reference.hq_grad_input(g, w, SEED, per_token=per_token, stochastic_weight=stochastic_weight)
     assert rel_err(out, ref) < tol.FP32_VS_REFERENCE
 
 
@@ -108,6 +109,22 @@ def test_hq_is_unbiased_over_draws():
     single = rel_err(ops.hq_grad_input(g, w, SEED), expectation)
     print(f"HQ mean of {tol.UNBIASED_DRAWS} draws: rel err {reached:.4f} (one draw {single:.3f}, bound {tol.UNBIASED_MEAN})")
     assert reached < tol.UNBIASED_MEAN
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_hq_with_stochastic_weight_is_unbiased_against_the_exact_product(bits):
+    g, w, _ = _operands("gaussian")
+    exact = g.double() @ w.double()
+
+    def mean(**kwargs):
+        draws = (ops.hq_grad_input(g, w, torch.tensor(s), grad_bits=bits, weight_bits=bits, **kwargs) for s in range(tol.UNBIASED_DRAWS))
+        return sum(d.double() for d in draws) / tol.UNBIASED_DRAWS
+
+    unbiased, sawb = rel_err(mean(stochastic_weight=True), exact), rel_err(mean(), exact)
+    print(f"HQ INT{bits}, mean of {tol.UNBIASED_DRAWS} draws vs g @ W: stochastic weight {unbiased:.4f}, SAWB {sawb:.4f}")
+    assert unbiased < tol.UNBIASED_MEAN
+    # SAWB's clip cuts the transformed weight's tails at every bit width: a bias no draw count removes.
+    assert sawb > 2 * unbiased
 
 
 def test_hla_is_unbiased_over_draws():

@@ -153,7 +153,14 @@ def test_float64_linear_is_kept_with_reason():
     assert rows and all(r.decision == "kept" and "float64" in r.reason for r in rows)
 
 
-@pytest.mark.parametrize("config", [STRICT.replace(rank=16), STRICT.replace(rank=16, gx_quantizer="per_token")])
+@pytest.mark.parametrize(
+    "config",
+    [
+        STRICT.replace(rank=16),
+        STRICT.replace(rank=16, gx_quantizer="per_token"),
+        STRICT.replace(rank=16, weight_quantizer="stochastic"),
+    ],
+)
 def test_grads_within_band_full_rank(config):
     torch.manual_seed(0)
     model = Block()
@@ -161,6 +168,8 @@ def test_grads_within_band_full_rank(config):
     errors = grad_errors(model, compiled, torch.randn(2, 48, 32))
     print({k: round(v, 3) for k, v in errors.items()})
     assert max(errors.values()) < tol.E2E_GRAD
+    hq = hot_compile.last_report().select(decision="HQ")
+    assert hq and all(f"W quantizer {config.weight_quantizer}" in r.reason for r in hq)
 
 
 def test_grads_within_band_default_rank_on_token_smooth_input():
