@@ -200,12 +200,13 @@ def _fitted_transform_rate(profile: DeviceProfile, repeats: int, l: int = 2048, 
     grad_input at ``[l, n] @ [n, k]``: the transforms, scales, hash and quantizers the backend runs,
     fused as Inductor fuses them, rather than one stand-alone kernel."""
     from .ops import hq_grad_input
-    from .passes.cost_model import BLOCK, grad_input_cost
+    from .hadamard import padded_length
+    from .passes.cost_model import grad_input_cost
 
     g, w, seed = torch.randn(l, n), torch.randn(n, k), torch.tensor(0)
     op = torch.compile(lambda g, w, s: hq_grad_input(g, w, s), fullgraph=True)
     measured = _median_seconds(lambda: op(g, w, seed), repeats)
-    padded = BLOCK * -(-n // BLOCK)
+    padded = padded_length(n)
     outputs = l * padded + padded * k
     flops = profile.matmul_rate(torch.float32)
     rest = grad_input_cost(l, n, k, 4, flops, dataclasses.replace(profile, transform_rate=float("inf"))).hot_s

@@ -48,6 +48,7 @@ def _bytes(val) -> int:
 @dataclasses.dataclass
 class _Planned:
     site: LinearSite
+    config: HotConfig  # the site's own, overrides and plan applied
     path: str  # "gx" | "gw"
     decision: str  # "HQ" | "HLA+ABC" | "kept"
     reason: str
@@ -73,9 +74,8 @@ def _shape(site: LinearSite, path: str) -> str:
     return f"{l}×{n} @ {n}×{k}" if path == "gx" else f"{n}×{l} @ {l}×{k}"
 
 
-def _other_backward_readers(graph: fx.Graph, x2d: fx.Node) -> list[str]:
-    """Live backward nodes that still read ``x2d``'s values (or the tensor it is a view of)."""
-    backward = backward_nodes(graph)
+def _other_backward_readers(graph: fx.Graph, backward: set[fx.Node], x2d: fx.Node) -> list[str]:
+    """Live ``backward`` nodes that still read ``x2d``'s values (or the tensor it is a view of)."""
     family = {n for n in graph.nodes if same_value(n, x2d) or n is x2d}
     family |= {n.args[0] for n in family if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node)}
     return sorted(
@@ -98,11 +98,11 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
                     continue
                 illegal = why_illegal(site, use, path, site_config)
                 if illegal:
-                    planned.append(_Planned(site, path, "kept", illegal, None))
+                    planned.append(_Planned(site, site_config, path, "kept", illegal, None))
                     continue
                 mnk, cost = _estimate(site, path, site_config, profiles)
                 decision = decide(site.module_path, path, mnk, cost, site_config)
-                entry = _Planned(site, path, "kept", decision.reason, cost)
+                entry = _Planned(site, site_config, path, "kept", decision.reason, cost)
                 if decision.rewrite and path == "gx":
                     entry.decision = "HQ"
                     entry.replacement = rewrite_grad_input(graph, site, site_config, casts, created)
@@ -118,20 +118,19 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
     return planned
 
 
-def _row(graph: fx.Graph, entry: _Planned, config: HotConfig) -> SiteRow:
+def _row(graph: fx.Graph, backward: set[fx.Node], entry: _Planned, config: HotConfig) -> SiteRow:
     site, reason = entry.site, entry.reason
     if entry.path == "gx" and entry.decision != "kept":
-        site_config = config.for_module(site.module_path)
         reason += (
-            f"; g quantizer {site_config.gx_quantizer} ({config.quantizer_source(site.module_path)}),"
-            f" W quantizer {site_config.weight_quantizer}"
+            f"; g quantizer {entry.config.gx_quantizer} ({config.quantizer_source(site.module_path)}),"
+            f" W quantizer {entry.config.weight_quantizer}"
         )
     before = after = None
     if entry.path == "gw":
         before = after = _bytes(site.x2d.meta["val"])
         if entry.buffers is not None:
             after = sum(_bytes(b.meta["val"]) for b in entry.buffers)
-            readers = _other_backward_readers(graph, site.x2d)
+            readers = _other_backward_readers(graph, backward, site.x2d)
             if readers:
                 after += before
                 reason += f"; x is still read by backward op(s) {', '.join(readers)}, so it stays saved"
@@ -161,7 +160,8 @@ def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Re
         old = entry.site.grad_input.node if entry.path == "gx" else entry.site.grad_weight.node
         old.replace_all_uses_with(entry.replacement)
         graph.erase_node(old)
-    rows = [_row(graph, entry, config) for entry in planned]
+    backward = backward_nodes(graph)  # once: the rows only read the rewritten graph
+    rows = [_row(graph, backward, entry, config) for entry in planned]
     hot = counters["hot"]
     hot["sites_found"] += len(rows)
     hot["sites_rewritten"] += len(rewritten)
