@@ -135,6 +135,9 @@ def saved_activation_bytes(model: nn.Module, batch: Batch) -> int:
 class _Run:
     def __init__(self, variant: Variant, model: nn.Module, schedule: Schedule, plan: QuantizerPlan | None):
         self.variant, self.model = variant, model
+        # Training mode set here, not inherited: Hugging Face's from_pretrained returns a model in
+        # eval mode, and a mode that flips after the first step recompiles the whole graph.
+        model.train()
         self.compiled = variant.compile(model, plan)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, weight_decay=schedule.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule.factor)
