@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         f"context {size.context}, batch {size.batch}) on {len(task.train_data):,} bytes of CPython docs, "
         f"held-out {len(task.eval_data):,} bytes\n"
         f"{schedule.steps} steps each for backend='inductor' (fp32) and backend='hot' (policy={hot.policy!r}, "
-        f"INT{hot.gx_bits} HQ, INT{hot.gw_bits} HLA rank {hot.rank}"
+        f"INT{hot.gx_bits} HQ {hot.gx_quantizer.replace('_', '-')}, INT{hot.gw_bits} HLA rank {hot.rank}"
         f"{', leaving ' + ', '.join(hot.exclude) + ' alone' if hot.exclude else ''}), seed {args.seed}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads\n"
         "the first step of each backend compiles its forward and backward graphs"

@@ -29,7 +29,8 @@ class DeviceProfile:
     Attributes:
         name: profile name.
         matmul_flops: dense float matmul rate per dtype name, FLOP/s (2·M·N·K per product).
-        int8_ops: ``torch._int_mm`` rate, OP/s (2·M·N·K per product).
+        int8_ops: rate of the integer product HOT runs (``ops.int8_matmul``: ``torch._int_mm``, or a
+            float GEMM on CPUs without VNNI/AMX), OP/s (2·M·N·K per product).
         read_bw: bytes/s streamed into an elementwise kernel.
         write_bw: bytes/s written to a freshly allocated output (CPU: includes first-touch page faults).
         transform_rate: outputs/s of a fused block-16 transform + stochastic int8 quantization kernel
@@ -217,12 +218,14 @@ def _fitted_transform_rate(profile: DeviceProfile, repeats: int, l: int = 2048, 
 def calibrate(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     """Measure this CPU: float and int8 matmul rates, streaming bandwidths, the per-call overhead, and
     the transform + quantize rate fitted to the compiled HQ op (see :func:`_fitted_transform_rate`)."""
+    from .ops import int8_matmul
+
     flops = {}
     for dtype in _DTYPES:
         a = torch.randn(size, size).to(getattr(torch, dtype))
         flops[dtype] = 2 * size**3 / _median_seconds(lambda a=a: a @ a, repeats)
     q = torch.randint(-7, 8, (size, size), dtype=torch.int8)
-    int8_ops = 2 * size**3 / _median_seconds(lambda: torch._int_mm(q, q), repeats)
+    int8_ops = 2 * size**3 / _median_seconds(lambda: int8_matmul(q, q), repeats)
 
     big = torch.randn(4096, 4096)
     read_bw = big.numel() * 4 / _median_seconds(lambda: big.sum(), repeats)

@@ -10,6 +10,7 @@ fuses each transform with its quantizer.
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .hadamard import BLOCK, block_hadamard, block_transform, walsh_basis
 from .quant import quantize_nearest, quantize_sawb, quantize_stochastic
@@ -38,11 +39,35 @@ def _draw_seed_fake(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((), dtype=torch.int64)
 
 
+# float32 holds every integer up to 2**24 exactly and an int8 product is at most 2**14, so every
+# partial sum of a product over K ≤ 1024 is exact in float32; longer ones take float64 (exact to 2**53).
+FLOAT32_EXACT_K = 1024
+# Read once: Dynamo does not trace into torch.cpu's feature queries.
+_CPU_HAS_INT8_GEMM = torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def native_int8_matmul(device: torch.device) -> bool:
+    """Whether ``torch._int_mm`` has fast kernels on ``device``: GPUs, and CPUs with AVX512-VNNI or
+    AMX, where oneDNN runs int8 GEMMs in hardware. On other CPUs (AVX2 only) oneDNN's int8 path runs
+    about 30× slower than an fp32 matmul of the same shape, and :func:`int8_matmul` avoids it."""
+    return device.type != "cpu" or _CPU_HAS_INT8_GEMM
+
+
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with int8 operands and an int32 result (``torch._int_mm``); any strides."""
+    """``a @ b`` with int8 operands and an exact int32 result; any strides.
+
+    ``torch._int_mm`` where :func:`native_int8_matmul`; elsewhere a float matmul on the int8 values,
+    in float32 when the contraction is at most :data:`FLOAT32_EXACT_K` long, else float64: exact
+    either way, at the speed of the float GEMM.
+    """
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"int8_matmul takes int8 operands, got {a.dtype} and {b.dtype}")
-    return torch._int_mm(a, b)
+    if native_int8_matmul(a.device):
+        return torch._int_mm(a, b)
+    # Decided only when provably short: a test on a symbolic length would install a guard.
+    short = statically_known_true(a.shape[1] <= FLOAT32_EXACT_K)
+    carrier = torch.float32 if short else torch.float64
+    return torch.mm(a.to(carrier), b.to(carrier)).to(torch.int32)
 
 
 def hq_grad_input(

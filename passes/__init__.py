@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from .. import ops
 from ..config import HotConfig
 from ..devices import load_calibrated, resolve_profile
 from .. import inspection  # a module, not names: hot_compile.inspection reads passes.provenance
@@ -212,8 +213,12 @@ class HotJointPass(CustomGraphPass):
         # The FX-graph and AOTAutograd caches key on this: it must change with the pass's code and
         # every setting, or a cache hit would skip the pass (or replay another config's rewrite);
         # decisions also depend on this machine's calibrated device profile, if any.
+        # So does the integer product's form (``ops.int8_matmul``), which follows the CPU's ISA.
         calibrated = load_calibrated()
-        extra = f"{self.config!r}|{torch.__version__}|{calibrated.to_json() if calibrated else ''}"
+        extra = (
+            f"{self.config!r}|{torch.__version__}|{calibrated.to_json() if calibrated else ''}"
+            f"|native int8 on CPU: {ops.native_int8_matmul(torch.device('cpu'))}"
+        )
         return get_hash_for_files(_source_files(), extra=extra)
 
 

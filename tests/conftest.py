@@ -19,3 +19,21 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(params=[True, False], ids=["int_mm", "float_carrier"])
+def int8_path(request, monkeypatch):
+    """Runs a test with each form of the integer product (``ops.int8_matmul``), whatever this CPU's
+    own: ``torch._int_mm``, and the exact float GEMM used on CPUs without VNNI/AMX."""
+    from hot_compile import ops
+
+    monkeypatch.setattr(ops, "native_int8_matmul", lambda device: request.param)
+    return request.param
+
+
+@pytest.fixture
+def native_int8(monkeypatch):
+    """``torch._int_mm`` as the integer product, for tests that look for it in generated code."""
+    from hot_compile import ops
+
+    monkeypatch.setattr(ops, "native_int8_matmul", lambda device: True)

@@ -57,6 +57,7 @@ def test_trains_without_importing_hot_compile():
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+@pytest.mark.usefixtures("native_int8")
 def test_grads_within_band_and_int_mm_in_backward_code():
     torch.manual_seed(0)
     model = Block()

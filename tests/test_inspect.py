@@ -69,6 +69,7 @@ def _read(folder, name):
         return f.read()
 
 
+@pytest.mark.usefixtures("native_int8")
 @pytest.mark.parametrize("model,shape", [(MLP, (2, 32, 32)), (Block, (2, 32, 32))], ids=["mlp", "block"])
 def test_dump_holds_graphs_report_and_picture(tmp_path, model, shape):
     _train_step(model(), torch.randn(*shape, requires_grad=True), HOT.replace(dump_dir=str(tmp_path)))
@@ -207,6 +208,7 @@ def test_torch_logs_and_torch_trace(tmp_path):
     assert '"decision": "HQ"' in trace
 
 
+@pytest.mark.usefixtures("native_int8")
 def test_explain_a_callable_through_inductor(tmp_path, capsys):
     dump = tmp_path / "dump"
     status = cli.main(["explain", "tests.test_inspect:mlp_step", "--plain", "-o", "policy=hot", "--dump", str(dump)])

@@ -182,12 +182,25 @@ class _RecordIntMM(TorchDispatchMode):
         return out
 
 
+@pytest.mark.usefixtures("native_int8")
 def test_integer_matmul_is_int8_to_int32():
     g, w, x = _operands("gaussian")
     with _RecordIntMM() as rec:
         ops.hq_grad_input(g, w, SEED)
         ops.hla_grad_weight(g, *ops.compress_activation(x), SEED)
     assert rec.calls == [(torch.int8, torch.int8, torch.int32)] * 2
+
+
+@pytest.mark.parametrize("k", [16, ops.FLOAT32_EXACT_K, ops.FLOAT32_EXACT_K + 16, 3072])
+def test_int8_matmul_is_exact_on_either_path(int8_path, k):
+    # The extremes make every partial sum as large as int8 allows: -128·-128 summed K times.
+    a = torch.randint(-128, 128, (33, k), dtype=torch.int8)
+    b = torch.randint(-128, 128, (k, 24), dtype=torch.int8)
+    a[0], b[:, 0] = -128, -128
+    exact = (a.long() @ b.long()).to(torch.int32)
+    out = ops.int8_matmul(a, b.t().contiguous().t())  # a column-major operand, as HLA passes
+    assert out.dtype == torch.int32 and torch.equal(out, exact)
+    assert out[0, 0] == 128 * 128 * k
 
 
 def test_int8_matmul_rejects_float():

@@ -16,6 +16,8 @@ from tests.data import make
 from tests.harness import aot_compile
 from tests.models import MLP, Block, grad_errors
 
+# These tests read the rewritten graphs: the integer product is torch._int_mm whatever this CPU's ISA.
+pytestmark = pytest.mark.usefixtures("native_int8")
 aten = torch.ops.aten
 STRICT = HotConfig(strict=True, policy="hot")
 
@@ -221,3 +223,19 @@ def test_pass_failure_raises_when_strict():
     compiled, _ = aot_compile(MLP(), STRICT, pass_cls=_FailingPass)
     with pytest.raises(Exception, match="injected failure"):
         compiled(torch.randn(4, 50, 32)).sum().backward()
+
+
+def test_float_carrier_product_gives_the_same_gradients_as_int_mm(monkeypatch):
+    """On CPUs without VNNI/AMX the integer products run as exact float GEMMs: same integers, so the
+    same gradients bit for bit, and no ``_int_mm`` left in the backward."""
+    from hot_compile import ops
+
+    grads = {}
+    for native in (True, False):
+        monkeypatch.setattr(ops, "native_int8_matmul", lambda device, native=native: native)
+        torch.manual_seed(0)
+        model, x = MLP(), torch.randn(4, 50, 32, requires_grad=True)
+        graphs = _run(model, x)
+        assert bool(graphs.nodes("backward", aten._int_mm.default)) == native
+        grads[native] = [x.grad, *(p.grad for p in model.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
