@@ -2,6 +2,8 @@ import pytest
 import torch
 from torch._inductor.utils import fresh_cache
 
+from tests.harness import pin_int8_path
+
 
 @pytest.fixture(autouse=True, scope="session")
 def session_cache(tmp_path_factory):
@@ -23,17 +25,12 @@ def fresh_dynamo():
 
 @pytest.fixture(params=[True, False], ids=["int_mm", "float_carrier"])
 def int8_path(request, monkeypatch):
-    """Runs a test with each form of the integer product (``ops.int8_matmul``), whatever this CPU's
-    own: ``torch._int_mm``, and the exact float GEMM used on CPUs without VNNI/AMX."""
-    from hot_compile import ops
-
-    monkeypatch.setattr(ops, "native_int8_matmul", lambda device: request.param)
+    """Runs a test with each form of the integer product (``ops.int8_matmul``)."""
+    pin_int8_path(monkeypatch, request.param)
     return request.param
 
 
 @pytest.fixture
 def native_int8(monkeypatch):
     """``torch._int_mm`` as the integer product, for tests that look for it in generated code."""
-    from hot_compile import ops
-
-    monkeypatch.setattr(ops, "native_int8_matmul", lambda device: True)
+    pin_int8_path(monkeypatch, True)

@@ -56,3 +56,11 @@ def aot_compile(model, config: HotConfig | None = None, pass_cls=HotJointPass, *
         fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition, decompositions=select_decomp_table()
     )
     return torch.compile(model, backend=backend, **compile_kwargs), graphs
+
+
+def pin_int8_path(monkeypatch, native: bool) -> None:
+    """Make ``ops.int8_matmul`` emit ``torch._int_mm`` (``native``) or the exact float GEMM used on CPUs
+    without VNNI/AMX, whatever this CPU has."""
+    from hot_compile import ops
+
+    monkeypatch.setattr(ops, "native_int8_matmul", lambda device: native)

@@ -13,7 +13,7 @@ from hot_compile import HotConfig
 from hot_compile.passes import provenance
 from tests import tolerances as tol
 from tests.data import make
-from tests.harness import aot_compile
+from tests.harness import aot_compile, pin_int8_path
 from tests.models import MLP, Block, grad_errors
 
 # These tests read the rewritten graphs: the integer product is torch._int_mm whatever this CPU's ISA.
@@ -228,11 +228,9 @@ def test_pass_failure_raises_when_strict():
 def test_float_carrier_product_gives_the_same_gradients_as_int_mm(monkeypatch):
     """On CPUs without VNNI/AMX the integer products run as exact float GEMMs: same integers, so the
     same gradients bit for bit, and no ``_int_mm`` left in the backward."""
-    from hot_compile import ops
-
     grads = {}
     for native in (True, False):
-        monkeypatch.setattr(ops, "native_int8_matmul", lambda device, native=native: native)
+        pin_int8_path(monkeypatch, native)
         torch.manual_seed(0)
         model, x = MLP(), torch.randn(4, 50, 32, requires_grad=True)
         graphs = _run(model, x)
