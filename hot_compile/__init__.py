@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version as _dist_version
 # artifacts before their names are parsed), which must not find a module of ours half-imported.
 import torch  # noqa: F401
 
-from . import hadamard, ops, quant
+from . import hadamard, kernels, ops, quant
 from .backend import backend
 from .config import HotConfig
 from .inspection import HotInspectionWarning
@@ -30,6 +30,7 @@ __all__ = [
     "backend",
     "calibrate",
     "hadamard",
+    "kernels",
     "joint_pass",
     "last_report",
     "ops",

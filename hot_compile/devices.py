@@ -197,16 +197,15 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _fitted_transform_rate(profile: DeviceProfile, repeats: int, l: int = 2048, n: int = 1024, k: int = 1024) -> float:
-    """``T`` such that the cost model's HQ estimate equals the measured time of the compiled HQ
-    grad_input at ``[l, n] @ [n, k]``: the transforms, scales, hash and quantizers the backend runs,
-    fused as Inductor fuses them, rather than one stand-alone kernel."""
-    from .ops import hq_grad_input
+    """``T`` such that the cost model's HQ estimate equals the measured time of HQ's grad_input op
+    at ``[l, n] @ [n, k]``: the transforms, scales, hash and quantizers the backend runs, fused as
+    Inductor fuses them, rather than one stand-alone kernel."""
+    from .kernels import hq_grad_input
     from .hadamard import padded_length
     from .passes.cost_model import grad_input_cost
 
     g, w, seed = torch.randn(l, n), torch.randn(n, k), torch.tensor(0)
-    op = torch.compile(lambda g, w, s: hq_grad_input(g, w, s), fullgraph=True)
-    measured = _median_seconds(lambda: op(g, w, seed), repeats)
+    measured = _median_seconds(lambda: hq_grad_input(g, w, seed, 4, 4, False, True, False), repeats)
     padded = padded_length(n)
     outputs = l * padded + padded * k
     flops = profile.matmul_rate(torch.float32)

@@ -3,17 +3,17 @@
 Shapes follow a linear layer ``y = x Wᵀ + b``: ``x: [..., K]``, ``W: [N, K]``, upstream gradient
 ``g: [..., N]``; ``L`` is the product of the leading dims. All arithmetic before the integer matmul is
 float32 whatever the input dtype (fp32, bf16, fp16); results come back in the requested dtype.
-These functions are plain aten code: the graph pass traces them into the joint graph, where Inductor
-fuses each transform with its quantizer.
+These functions are plain aten code; :mod:`hot_compile.kernels` compiles them with Inductor, which
+fuses each transform with its quantizer, and wraps them as the custom ops the graph pass inserts.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+import torch.nn.functional as F
 
 from .hadamard import BLOCK, block_hadamard, block_transform, walsh_basis
-from .quant import quantize_nearest, quantize_sawb, quantize_stochastic
+from .quant import qmax, quantize_nearest, quantize_sawb, quantize_stochastic
 
 # Distinct noise streams for the two stochastic quantizers of one linear layer sharing a seed.
 SALT_GRAD_INPUT = 1
@@ -39,9 +39,10 @@ def _draw_seed_fake(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((), dtype=torch.int64)
 
 
-# float32 holds every integer up to 2**24 exactly and an int8 product is at most 2**14, so every
-# partial sum of a product over K ≤ 1024 is exact in float32; longer ones take float64 (exact to 2**53).
-FLOAT32_EXACT_K = 1024
+# float32 holds every integer up to 2**24 exactly.
+FLOAT32_EXACT = 2**24
+# The largest |a_ik · b_kj| of two int8 operands: (-128)².
+INT8_MAX_PRODUCT = 128 * 128
 # Read once: Dynamo does not trace into torch.cpu's feature queries.
 _CPU_HAS_INT8_GEMM = torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
 
@@ -53,21 +54,34 @@ def native_int8_matmul(device: torch.device) -> bool:
     return device.type != "cpu" or _CPU_HAS_INT8_GEMM
 
 
-def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with int8 operands and an exact int32 result; any strides.
+def exact_float32_length(max_product: int = INT8_MAX_PRODUCT) -> int:
+    """The longest contraction whose every partial sum is exact in float32 when no term exceeds
+    ``max_product`` in magnitude: 1024 for any int8 operands, 1040 for two INT8 quantizers (±127),
+    342392 for two INT4 ones (±7)."""
+    return FLOAT32_EXACT // max_product
 
-    ``torch._int_mm`` where :func:`native_int8_matmul`; elsewhere a float matmul on the int8 values,
-    in float32 when the contraction is at most :data:`FLOAT32_EXACT_K` long, else float64: exact
-    either way, at the speed of the float GEMM.
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor, max_product: int = INT8_MAX_PRODUCT) -> torch.Tensor:
+    """``a @ b`` with int8 operands and an exact int32 result; any strides. ``max_product`` bounds
+    ``|a_ik · b_kj|`` (quantizers pass ``qmax_a · qmax_b``).
+
+    ``torch._int_mm`` where :func:`native_int8_matmul`; elsewhere a float32 matmul on the int8 values,
+    exact at the speed of the float GEMM: in one piece when the contraction is at most
+    :func:`exact_float32_length` long, else in pieces of that length, each exact, summed in int32.
     """
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"int8_matmul takes int8 operands, got {a.dtype} and {b.dtype}")
     if native_int8_matmul(a.device):
         return torch._int_mm(a, b)
-    # Decided only when provably short: a test on a symbolic length would install a guard.
-    short = statically_known_true(a.shape[1] <= FLOAT32_EXACT_K)
-    carrier = torch.float32 if short else torch.float64
-    return torch.mm(a.to(carrier), b.to(carrier)).to(torch.int32)
+    piece = exact_float32_length(max_product)
+    k = a.shape[1]
+    # Under the shape-generic compile of hot_compile.kernels this test is a guard: one kernel per side.
+    if k <= piece:
+        return torch.mm(a.float(), b.float()).to(torch.int32)
+    pieces = (k + piece - 1) // piece
+    a = F.pad(a, [0, pieces * piece - k]).unflatten(1, (pieces, piece)).transpose(0, 1)  # [pieces, M, piece]
+    b = F.pad(b, [0, 0, 0, pieces * piece - k]).unflatten(0, (pieces, piece))  # [pieces, piece, N]
+    return torch.bmm(a.float(), b.float()).to(torch.int32).sum(0, dtype=torch.int32)
 
 
 def hq_grad_input(
@@ -101,7 +115,7 @@ def hq_grad_input(
     else:
         qw, sw = quantize_sawb(w, weight_bits)
     norm = BLOCK if hadamard else 1
-    out = int8_matmul(qg, qw).to(torch.float32) * (sg * (sw / norm))
+    out = int8_matmul(qg, qw, qmax(grad_bits) * qmax(weight_bits)).to(torch.float32) * (sg * (sw / norm))
     return out.to(grad_output.dtype).reshape(*grad_output.shape[:-1], k)
 
 
@@ -137,5 +151,5 @@ def hla_grad_weight(
     g2 = grad_output.reshape(-1, grad_output.shape[-1])
     projected = block_transform(g2.float(), walsh_basis(rank, device=g2.device), 0)
     qg, sg = quantize_stochastic(projected, bits, seed, salt=SALT_GRAD_WEIGHT)
-    out = int8_matmul(qg.t(), x_q).to(torch.float32) * (sg * (x_scale / BLOCK))
+    out = int8_matmul(qg.t(), x_q, qmax(bits) ** 2).to(torch.float32) * (sg * (x_scale / BLOCK))
     return out.to(out_dtype or grad_output.dtype)

@@ -17,14 +17,12 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from .. import ops
 from ..config import HotConfig
 from ..devices import load_calibrated, resolve_profile
 from .. import inspection  # a module, not names: hot_compile.inspection reads passes.provenance
 from ..report import Report, SiteRow, publish
 from .cost_model import SiteCost, grad_input_cost, grad_weight_cost
 from .decide import decide
-from .inline import Float32Casts
 from .legality import why_illegal
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
@@ -88,7 +86,6 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
     """Decide every site and insert the rewrites; the graph's old matmuls still stand afterwards."""
     created: list[fx.Node] = []
     compressed = CompressedActivations(graph, created)
-    casts = Float32Casts(graph, created)
     profiles: dict = {}
     planned: list[_Planned] = []
     try:
@@ -106,11 +103,11 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
                 entry = _Planned(site, site_config, path, "kept", decision.reason, cost)
                 if decision.rewrite and path == "gx":
                     entry.decision = "HQ"
-                    entry.replacement = rewrite_grad_input(graph, site, site_config, casts, created)
+                    entry.replacement = rewrite_grad_input(graph, site, site_config, created)
                 elif decision.rewrite:
                     entry.decision = "HLA+ABC"
                     entry.buffers = compressed.get(site, site_config)
-                    entry.replacement = rewrite_grad_weight(graph, site, site_config, compressed, casts, created)
+                    entry.replacement = rewrite_grad_weight(graph, site, site_config, compressed, created)
                 planned.append(entry)
     except BaseException:
         for node in reversed(created):
@@ -212,12 +209,12 @@ class HotJointPass(CustomGraphPass):
             return None
         # The FX-graph and AOTAutograd caches key on this: it must change with the pass's code and
         # every setting, or a cache hit would skip the pass (or replay another config's rewrite);
-        # decisions also depend on this machine's calibrated device profile, if any.
-        # So does the integer product's form (``ops.int8_matmul``), which follows the CPU's ISA.
+        # decisions also depend on the device profile: this machine's calibration, if any, or the
+        # built-in profile its CPU's features select.
         calibrated = load_calibrated()
         extra = (
             f"{self.config!r}|{torch.__version__}|{calibrated.to_json() if calibrated else ''}"
-            f"|native int8 on CPU: {ops.native_int8_matmul(torch.device('cpu'))}"
+            f"|{resolve_profile(torch.device('cpu')).name}"
         )
         return get_hash_for_files(_source_files(), extra=extra)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Sequence
 
-import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.utils import detect_fake_mode
@@ -60,26 +59,3 @@ def insert_traced(
                 raise NotImplementedError(f"cannot splice a {node.op} node ({node.format_node()})")
     return result
 
-
-class Float32Casts:
-    """Each node's float32 cast, inserted once per graph right after the node; float32 nodes as they are.
-
-    The HQ and HLA rewrites of a layer both start from its gradient in float32. Cast separately, each
-    would write its own full-size float32 copy (Inductor merges neither the casts nor their buffers).
-    """
-
-    def __init__(self, graph: fx.Graph, created: list[fx.Node]):
-        self.graph, self.created = graph, created
-        self._casts: dict[fx.Node, fx.Node] = {}
-
-    def get(self, node: fx.Node, meta: dict) -> fx.Node:
-        if node.meta["val"].dtype == torch.float32:
-            return node
-        if node not in self._casts:
-            after = node.next
-            while after.op == "placeholder":
-                after = after.next
-            self._casts[node] = insert_traced(
-                self.graph, lambda t: t.float(), [node], before=after, meta=meta, created=self.created
-            )
-        return self._casts[node]

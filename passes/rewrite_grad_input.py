@@ -1,41 +1,40 @@
-"""grad_input → HQ: ``mm(g, W)`` becomes ``hq_grad_input(g, W, seed)`` (INT4 Hadamard quantization)."""
+"""grad_input → HQ: ``mm(g, W)`` becomes ``hot_compile::hq_grad_input(g, W, seed)`` (INT4 Hadamard
+quantization)."""
 
 from __future__ import annotations
 
 import torch.fx as fx
 
 from ..config import HotConfig
-from ..ops import draw_seed, hq_grad_input
-from .inline import Float32Casts, insert_traced
+from .. import kernels
+from ..ops import draw_seed
+from .inline import insert_traced
 from .provenance import provenance
 from .sites import LinearSite, strip_transposes
 
 REWRITE = "hq_grad_input"
 
 
-def rewrite_grad_input(
-    graph: fx.Graph, site: LinearSite, config: HotConfig, casts: Float32Casts, created: list[fx.Node]
-) -> fx.Node:
+def rewrite_grad_input(graph: fx.Graph, site: LinearSite, config: HotConfig, created: list[fx.Node]) -> fx.Node:
     """Insert the HQ computation of ``site``'s grad_input; returns the node to stand in for the mm."""
     use = site.grad_input
     meta = provenance(REWRITE, site.module_path, "gx", use.node, "backward")
     source, flipped = strip_transposes(use.grad)
-    grad = casts.get(source, meta)
     transposed = use.grad_transposed != flipped
     out_dtype = use.node.meta["val"].dtype
 
     def hq(grad, weight):
         g = grad.t() if transposed else grad
-        out = hq_grad_input(
+        out = kernels.hq_grad_input(
             g,
             weight,
             draw_seed(g),
-            grad_bits=config.gx_bits,
-            weight_bits=config.gx_bits,
-            per_token=config.gx_quantizer == "per_token",
-            hadamard=config.hadamard,
-            stochastic_weight=config.weight_quantizer == "stochastic",
+            config.gx_bits,
+            config.gx_bits,
+            config.gx_quantizer == "per_token",
+            config.hadamard,
+            config.weight_quantizer == "stochastic",
         ).to(out_dtype)
         return out.t() if use.out_transposed else out
 
-    return insert_traced(graph, hq, [grad, site.weight], before=use.node, meta=meta, created=created)
+    return insert_traced(graph, hq, [source, site.weight], before=use.node, meta=meta, created=created)

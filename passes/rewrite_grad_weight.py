@@ -1,9 +1,9 @@
 """grad_weight → HLA with activation buffer compression (ABC).
 
-The forward gains ``(x_q, s_x) = compress_activation(x2d)`` right after ``x2d``, marked MUST_SAVE so
-the partitioner saves the int8 low-rank buffer rather than recomputing it from ``x`` in the backward;
-linears that share an input share one compressed buffer. The backward ``mm(gᵀ, x2d)`` becomes
-``hla_grad_weight(g, x_q, s_x, seed)``.
+The forward gains ``(x_q, s_x) = hot_compile::compress_activation(x2d)`` right after ``x2d``, marked
+MUST_SAVE so the partitioner saves the int8 low-rank buffer rather than recomputing it from ``x`` in
+the backward; linears that share an input share one compressed buffer. The backward ``mm(gᵀ, x2d)``
+becomes ``hot_compile::hla_grad_weight(g, x_q, s_x, seed)``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..config import HotConfig
-from ..ops import compress_activation, draw_seed, hla_grad_weight
-from .inline import Float32Casts, insert_traced
+from .. import kernels
+from ..ops import draw_seed
+from .inline import insert_traced
 from .provenance import provenance
 from .sites import LinearSite, same_value, strip_transposes
 
@@ -36,7 +37,7 @@ class CompressedActivations:
                 return buffers
 
         def compress(x):
-            return compress_activation(x, rank=rank, bits=bits)
+            return kernels.compress_activation(x, rank, bits)
 
         meta = provenance(COMPRESS, site.module_path, "gw", site.x2d, "forward")
         buffers = insert_traced(self.graph, compress, [site.x2d], before=site.x2d.next, meta=meta, created=self.created)
@@ -51,7 +52,6 @@ def rewrite_grad_weight(
     site: LinearSite,
     config: HotConfig,
     compressed: CompressedActivations,
-    casts: Float32Casts,
     created: list[fx.Node],
 ) -> fx.Node:
     """Insert the HLA computation of ``site``'s grad_weight; returns the node to stand in for the mm."""
@@ -60,12 +60,11 @@ def rewrite_grad_weight(
     out_dtype = use.node.meta["val"].dtype
     meta = provenance(REWRITE, site.module_path, "gw", use.node, "backward")
     source, flipped = strip_transposes(use.grad)
-    grad = casts.get(source, meta)
     transposed = use.grad_transposed != flipped
 
     def hla(grad, xq, xs):
         g = grad.t() if transposed else grad
-        out = hla_grad_weight(g, xq, xs, draw_seed(g), rank=config.rank, bits=config.gw_bits, out_dtype=out_dtype)
+        out = kernels.hla_grad_weight(g, xq, xs, draw_seed(g), config.rank, config.gw_bits, out_dtype)
         return out.t() if use.out_transposed else out
 
-    return insert_traced(graph, hla, [grad, x_q, x_scale], before=use.node, meta=meta, created=created)
+    return insert_traced(graph, hla, [source, x_q, x_scale], before=use.node, meta=meta, created=created)

@@ -12,7 +12,7 @@ import torch
 
 from hot_compile import bench, cli
 
-FIGURES = ("fwd_bwd_ms", "bwd_ms", "saved_bytes", "compile_s", "grad_rel_err")
+FIGURES = ("fwd_bwd_ms", "bwd_ms", "saved_bytes", "compile_s", "kernel_build_s", "model_compile_s", "grad_rel_err")
 
 
 def _tiny(tmp_path, *extra):
@@ -38,6 +38,7 @@ def test_cli_runs_mlp_and_vit_and_writes_table_json_chart(tmp_path):
         assert rows["hot-fp32"]["saved_bytes"] < rows["inductor-fp32"]["saved_bytes"]
         assert rows["hot-fp32"]["hot_sites"] and rows["hot-fp32"]["abc_saved_vs_fp32_input_max"] < 0.2
         assert rows["inductor-fp32"]["grad_rel_err"] < 1e-4
+        assert rows["inductor-fp32"]["kernel_build_s"] == 0 <= rows["hot-fp32"]["kernel_build_s"]
 
     table = (tmp_path / "out" / "bench.md").read_text()
     assert "| inductor-fp32 |" in table and "| hot-fp32 |" in table

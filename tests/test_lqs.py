@@ -9,8 +9,6 @@ from hot_compile.lqs import LayerChoice, QuantizerPlan, calibrate
 from tests.harness import aot_compile
 from tests.models import MLP, Block
 
-aten = torch.ops.aten
-
 
 def _batches(count=3, shape=(4, 32, 32), seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -112,16 +110,14 @@ def test_plan_order_does_not_matter_and_bad_plans_fail(tmp_path):
 
 
 def _hq_gradient_scales(graphs, module):
-    """``"per_token"`` if the HQ rewrite of ``module`` takes a per-row max of the gradient, else ``"per_tensor"``."""
-    amaxes = [
+    """The gradient quantizer the HQ op of ``module`` was built with."""
+    (hq,) = [
         n
         for n in graphs.joint.graph.nodes
-        if n.target is aten.amax.default
-        and n.meta.get("hot_compile", {}).get("rewrite") == "hq_grad_input"
-        and n.meta["hot_compile"]["module"] == module
+        if n.target is torch.ops.hot_compile.hq_grad_input.default and n.meta["hot_compile"]["module"] == module
     ]
-    assert amaxes, f"no HQ rewrite of {module}"
-    return "per_token" if any(len(n.args) > 2 and n.args[2] for n in amaxes) else "per_tensor"
+    per_token = hq.args[5]
+    return "per_token" if per_token else "per_tensor"
 
 
 @pytest.mark.parametrize("as_file", [False, True])

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hot_compile import ops, reference
+from hot_compile import kernels, ops, reference
 from tests import tolerances as tol
 from tests.data import KINDS, make, rel_err
 
@@ -191,7 +191,7 @@ def test_integer_matmul_is_int8_to_int32():
     assert rec.calls == [(torch.int8, torch.int8, torch.int32)] * 2
 
 
-@pytest.mark.parametrize("k", [16, ops.FLOAT32_EXACT_K, ops.FLOAT32_EXACT_K + 16, 3072])
+@pytest.mark.parametrize("k", [16, ops.exact_float32_length(), ops.exact_float32_length() + 16, 3000])
 def test_int8_matmul_is_exact_on_either_path(int8_path, k):
     # The extremes make every partial sum as large as int8 allows: -128·-128 summed K times.
     a = torch.randint(-128, 128, (33, k), dtype=torch.int8)
@@ -201,6 +201,15 @@ def test_int8_matmul_is_exact_on_either_path(int8_path, k):
     out = ops.int8_matmul(a, b.t().contiguous().t())  # a column-major operand, as HLA passes
     assert out.dtype == torch.int32 and torch.equal(out, exact)
     assert out[0, 0] == 128 * 128 * k
+
+
+def test_int8_matmul_of_int4_values_is_exact_in_one_float32_piece(int8_path):
+    k = 20000  # 20000 · 7 · 7 < 2**24: one float32 product, no pieces
+    a = torch.full((3, k), -7, dtype=torch.int8)
+    b = torch.randint(-7, 8, (k, 5), dtype=torch.int8)
+    b[:, 0] = -7
+    out = ops.int8_matmul(a, b, max_product=49)
+    assert torch.equal(out, (a.long() @ b.long()).to(torch.int32)) and out[0, 0] == 49 * k
 
 
 def test_int8_matmul_rejects_float():
@@ -216,13 +225,34 @@ def test_draw_seed_follows_manual_seed():
     assert ops.draw_seed(like) == a and a.dtype == torch.int64
 
 
-def test_compiled_ops_match_eager():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_custom_ops_match_the_eager_functions(dtype):
+    """HOT's custom ops (the compiled kernels) against :mod:`hot_compile.ops` run eagerly, on a
+    column-major gradient and a Parameter weight, as a backward hands them over."""
     g, w, x = _operands("gaussian")
+    g = g.to(dtype).t().contiguous().t()
+    w, x = torch.nn.Parameter(w.to(dtype)), x.to(dtype)
+    xq, xs = kernels.compress_activation(x, 8, 8)
+    ref_q, ref_s = ops.compress_activation(x)
+    assert (xq != ref_q).float().mean() <= tol.LEVEL_MISMATCH_FRACTION and torch.allclose(xs, ref_s)
+    hq = kernels.hq_grad_input(g, w, SEED, 4, 4, True, True, False)
+    assert hq.dtype == dtype and rel_err(hq, ops.hq_grad_input(g, w, SEED, per_token=True)) < tol.FP32_VS_REFERENCE
+    hla = kernels.hla_grad_weight(g, xq, xs, SEED, 8, 8, torch.float32)
+    assert rel_err(hla, ops.hla_grad_weight(g, xq, xs, SEED, out_dtype=torch.float32)) < tol.FP32_VS_REFERENCE
 
-    def step(g, w, x, seed):
-        xq, xs = ops.compress_activation(x)
-        return ops.hq_grad_input(g, w, seed), ops.hla_grad_weight(g, xq, xs, seed)
 
-    compiled = torch.compile(step, backend="inductor", fullgraph=True)
-    for got, want in zip(compiled(g, w, x, SEED), step(g, w, x, SEED)):
-        assert rel_err(got, want) < tol.FP32_VS_REFERENCE
+def test_custom_ops_pass_opcheck():
+    g, w, x = _operands("gaussian")
+    xq, xs = ops.compress_activation(x)
+    torch.library.opcheck(kernels.compress_activation, (x, 8, 8))
+    torch.library.opcheck(kernels.hq_grad_input, (g, w, SEED, 4, 4, False, True, True))
+    torch.library.opcheck(kernels.hla_grad_weight, (g, xq, xs, SEED, 8, 8, torch.float32))
+
+
+def test_one_kernel_serves_every_shape():
+    """The ops' kernels are compiled for symbolic shapes: a new layer shape builds nothing."""
+    g, w, _ = _operands("gaussian")
+    kernels.hq_grad_input(g, w, SEED, 4, 4, False, True, False)
+    built = kernels.build_seconds()
+    kernels.hq_grad_input(g[:300, :100].contiguous(), w[:100, :40].contiguous(), SEED, 4, 4, False, True, False)
+    assert kernels.build_seconds() == built

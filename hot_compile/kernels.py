@@ -1,0 +1,129 @@
+"""HOT's three operations as opaque custom ops, each run by one shape-generic compiled kernel set.
+
+The graph pass inserts ``torch.ops.hot_compile.hq_grad_input``, ``compress_activation`` and
+``hla_grad_weight`` nodes rather than the aten code of :mod:`hot_compile.ops`, for two reasons:
+
+* Compile time. Inlined, every rewritten site brought its own transform, hash and quantizer kernels
+  for Inductor to schedule, generate and compile in C++, per layer shape: a ViT stack compiled five
+  times slower than under plain Inductor. Here a site adds one extern call to the model's graph. The
+  implementation, :mod:`hot_compile.ops` compiled by Inductor with dynamic shapes, is built once per
+  process and configuration (later processes find it in Inductor's FX graph cache) and serves every
+  site, layer shape and model.
+* Saved memory. The min-cut partitioner never recomputes a custom op, so the compressed activation is
+  saved as planned; an aten version could be recomputed in the backward from a tensor the partitioner
+  saves anyway (under autocast it chose GELU + transform + quantize of the pre-GELU activation).
+
+Each op accepts inputs of any strides and returns contiguous outputs, as its fake implementation
+declares.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch._dynamo.utils import counters
+
+from . import ops
+from .hadamard import BLOCK, padded_length
+
+# Each configuration (bits, quantizers, dtypes, stride patterns) is one more guarded entry on the same
+# code object; a process that trains or tests several configurations needs more than Dynamo's 8.
+KERNEL_RECOMPILE_LIMIT = 64
+
+_build_seconds = 0.0
+
+
+@functools.cache
+def _kernel(fn: Callable, config: tuple[tuple[str, object], ...]) -> Callable:
+    """``fn`` with keyword settings ``config``, compiled for any shapes. The settings are closure
+    constants, so Dynamo specializes on them instead of turning integers into symbols."""
+    settings = dict(config)
+
+    def kernel(*tensors: Tensor):
+        return fn(*tensors, **settings)
+
+    return torch.compile(kernel, dynamic=True, fullgraph=True)
+
+
+def _run(fn: Callable, *tensors: Tensor, **settings):
+    global _build_seconds
+    graphs_before = counters["stats"]["unique_graphs"]
+    start = time.perf_counter()
+    # Weights arrive as nn.Parameters, whose shapes Dynamo would otherwise keep static. Joint-graph
+    # passes installed in Inductor's global config (HOT's own among them) are for models' graphs.
+    with (
+        torch.no_grad(),
+        torch._dynamo.config.patch(recompile_limit=KERNEL_RECOMPILE_LIMIT, force_parameter_static_shapes=False),
+        torch._inductor.config.patch(joint_custom_pre_pass=None, joint_custom_post_pass=None),
+    ):
+        out = _kernel(fn, tuple(sorted(settings.items())))(*tensors)
+    if counters["stats"]["unique_graphs"] != graphs_before:
+        _build_seconds += time.perf_counter() - start
+    return out
+
+
+def build_seconds() -> float:
+    """Seconds this process has spent in calls of HOT's ops that built a kernel (the first call of
+    each configuration, whole): the part of a first training step that is not the model's compile."""
+    return _build_seconds
+
+
+@torch.library.custom_op("hot_compile::hq_grad_input", mutates_args=())
+def hq_grad_input(
+    grad_output: Tensor,
+    weight: Tensor,
+    seed: Tensor,
+    grad_bits: int,
+    weight_bits: int,
+    per_token: bool,
+    hadamard: bool,
+    stochastic_weight: bool,
+) -> Tensor:
+    """:func:`hot_compile.ops.hq_grad_input` as one op: ``[..., N] × [N, K] → [..., K]``."""
+    return _run(
+        ops.hq_grad_input,
+        grad_output,
+        weight,
+        seed,
+        grad_bits=grad_bits,
+        weight_bits=weight_bits,
+        per_token=per_token,
+        hadamard=hadamard,
+        stochastic_weight=stochastic_weight,
+    ).contiguous()
+
+
+@hq_grad_input.register_fake
+def _(grad_output, weight, seed, grad_bits, weight_bits, per_token, hadamard, stochastic_weight):
+    return grad_output.new_empty(*grad_output.shape[:-1], weight.shape[1])
+
+
+@torch.library.custom_op("hot_compile::compress_activation", mutates_args=())
+def compress_activation(x: Tensor, rank: int, bits: int) -> tuple[Tensor, Tensor]:
+    """:func:`hot_compile.ops.compress_activation` as one op: ``[..., K] → ([r·⌈L/16⌉, K] int8, scale)``."""
+    x_q, scale = _run(ops.compress_activation, x, rank=rank, bits=bits)
+    return x_q.contiguous(), scale.contiguous()
+
+
+@compress_activation.register_fake
+def _(x, rank, bits):
+    tokens = x.numel() // x.shape[-1]
+    rows = padded_length(tokens) // BLOCK * rank
+    return x.new_empty(rows, x.shape[-1], dtype=torch.int8), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("hot_compile::hla_grad_weight", mutates_args=())
+def hla_grad_weight(
+    grad_output: Tensor, x_q: Tensor, x_scale: Tensor, seed: Tensor, rank: int, bits: int, out_dtype: torch.dtype
+) -> Tensor:
+    """:func:`hot_compile.ops.hla_grad_weight` as one op: ``[..., N]`` and the ABC buffer → ``[N, K]``."""
+    return _run(ops.hla_grad_weight, grad_output, x_q, x_scale, seed, rank=rank, bits=bits, out_dtype=out_dtype).contiguous()
+
+
+@hla_grad_weight.register_fake
+def _(grad_output, x_q, x_scale, seed, rank, bits, out_dtype):
+    return grad_output.new_empty(grad_output.shape[-1], x_q.shape[1], dtype=out_dtype)
