@@ -58,11 +58,12 @@ def block_transform(x: torch.Tensor, basis: torch.Tensor, dim: int) -> torch.Ten
     contraction over it) and comes out with length ``r·⌈n/16⌉``: group ``b`` of the output holds
     ``basis @ x[16b : 16b+16]``. Computed in ``x``'s dtype; any strides are accepted.
 
-    Along the last dimension the product is 16 multiply-adds of strided slices, a pointwise expression
-    that Inductor fuses with the scale reduction and the quantizer after it. Along any other dimension
-    it is a batched matmul with the basis (a view for contiguous ``x``). Both avoid the form that
-    measured worst on CPU, a sum over a length-16 axis: Inductor parallelised that tiny axis and opened
-    a thread team for every output row.
+    Along the last dimension the product is one matmul of the ``[rows·nb, 16]`` blocks with
+    ``basisᵀ``; along any other dimension a batched matmul with the basis (a view for contiguous
+    ``x``). On an AVX2 CPU the matmul transformed a [6272, 3072] tensor in 43 ms against 194 ms for
+    16 multiply-adds of strided slices, which Inductor fused with the quantizer but fed with a
+    scalar load per tap. A sum over a length-16 axis measured worst of all: Inductor parallelised
+    that tiny axis and opened a thread team for every output row.
     """
     dim = dim % x.dim()
     n = x.shape[dim]
@@ -72,11 +73,8 @@ def block_transform(x: torch.Tensor, basis: torch.Tensor, dim: int) -> torch.Ten
     basis = basis.to(x.dtype)
     blocks = x.unflatten(dim, (-1, BLOCK))  # [..., nb, 16, rest...]
     if dim == x.dim() - 1:
-        blocks = blocks.unsqueeze(-2)  # [..., nb, 1, 16]
-        y = blocks[..., 0] * basis[:, 0]
-        for j in range(1, BLOCK):
-            y = y + blocks[..., j] * basis[:, j]  # [..., nb, r]
-        return y.flatten(-2)
+        y = torch.mm(blocks.reshape(-1, BLOCK), basis.t())  # [rows·nb, r]
+        return y.view(*blocks.shape[:-1], basis.shape[0]).flatten(-2)
     lead, rest = blocks.shape[: dim + 1], blocks.shape[dim + 2 :]
     stacked = blocks.flatten(dim + 2).flatten(0, dim)  # [prod(lead), 16, prod(rest)]
     # An explicit bmm: matmul's broadcasting logic tests the batch size (a guard under dynamic shapes).
