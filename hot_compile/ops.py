@@ -4,7 +4,8 @@ Shapes follow a linear layer ``y = x Wᵀ + b``: ``x: [..., K]``, ``W: [N, K]``,
 ``g: [..., N]``; ``L`` is the product of the leading dims. All arithmetic before the integer matmul is
 float32 whatever the input dtype (fp32, bf16, fp16); results come back in the requested dtype.
 These functions are plain aten code; :mod:`hot_compile.kernels` compiles them with Inductor, which
-fuses each transform with its quantizer, and wraps them as the custom ops the graph pass inserts.
+fuses each scale reduction with its quantizer, and wraps them as the custom ops the graph pass
+inserts.
 """
 
 from __future__ import annotations
