@@ -1,17 +1,12 @@
 """HOT's three operations as opaque custom ops, each run by one shape-generic compiled kernel set.
 
 The graph pass inserts ``torch.ops.hot_compile.hq_grad_input``, ``compress_activation`` and
-``hla_grad_weight`` nodes rather than the aten code of :mod:`hot_compile.ops`, for two reasons:
-
-* Compile time. Inlined, every rewritten site brought its own transform, hash and quantizer kernels
-  for Inductor to schedule, generate and compile in C++, per layer shape: a ViT stack compiled five
-  times slower than under plain Inductor. Here a site adds one extern call to the model's graph. The
-  implementation, :mod:`hot_compile.ops` compiled by Inductor with dynamic shapes, is built once per
-  process and configuration (later processes find it in Inductor's FX graph cache) and serves every
-  site, layer shape and model.
-* Saved memory. The min-cut partitioner never recomputes a custom op, so the compressed activation is
-  saved as planned; an aten version could be recomputed in the backward from a tensor the partitioner
-  saves anyway (under autocast it chose GELU + transform + quantize of the pre-GELU activation).
+``hla_grad_weight`` nodes rather than the aten code of :mod:`hot_compile.ops`. Inlined, every rewritten
+site brought its own transform, hash and quantizer kernels for Inductor to schedule, generate and
+compile in C++, per layer shape: a ViT stack compiled five times slower than under plain Inductor.
+Here a site adds one extern call to the model's graph. The implementation, :mod:`hot_compile.ops`
+compiled by Inductor with dynamic shapes, is built once per process and configuration (later
+processes find it in Inductor's FX graph cache) and serves every site, layer shape and model.
 
 Each op accepts inputs of any strides and returns contiguous outputs, as its fake implementation
 declares.
@@ -30,9 +25,9 @@ from torch._dynamo.utils import counters
 from . import ops
 from .hadamard import BLOCK, padded_length
 
-# Each configuration (bits, quantizers, dtypes, stride patterns) is one more guarded entry on the same
-# code object; a process that trains or tests several configurations needs more than Dynamo's 8.
-KERNEL_RECOMPILE_LIMIT = 64
+# Joint-graph passes installed in Inductor's global config (HOT's own among them) are for models'
+# graphs, not for these kernels.
+_KERNEL_INDUCTOR_OPTIONS = {"joint_custom_pre_pass": None, "joint_custom_post_pass": None}
 
 _build_seconds = 0.0
 
@@ -46,20 +41,17 @@ def _kernel(fn: Callable, config: tuple[tuple[str, object], ...]) -> Callable:
     def kernel(*tensors: Tensor):
         return fn(*tensors, **settings)
 
-    return torch.compile(kernel, dynamic=True, fullgraph=True)
+    # A code object of its own: Dynamo keeps compiled entries, and counts recompiles against its limit,
+    # per code object, so each configuration gets the limit for its own dtypes and stride patterns.
+    kernel.__code__ = kernel.__code__.replace(co_name=f"{fn.__name__}_kernel")
+    return torch.compile(kernel, dynamic=True, fullgraph=True, options=_KERNEL_INDUCTOR_OPTIONS)
 
 
 def _run(fn: Callable, *tensors: Tensor, **settings):
     global _build_seconds
     graphs_before = counters["stats"]["unique_graphs"]
     start = time.perf_counter()
-    # Weights arrive as nn.Parameters, whose shapes Dynamo would otherwise keep static. Joint-graph
-    # passes installed in Inductor's global config (HOT's own among them) are for models' graphs.
-    with (
-        torch.no_grad(),
-        torch._dynamo.config.patch(recompile_limit=KERNEL_RECOMPILE_LIMIT, force_parameter_static_shapes=False),
-        torch._inductor.config.patch(joint_custom_pre_pass=None, joint_custom_post_pass=None),
-    ):
+    with torch.no_grad():
         out = _kernel(fn, tuple(sorted(settings.items())))(*tensors)
     if counters["stats"]["unique_graphs"] != graphs_before:
         _build_seconds += time.perf_counter() - start
@@ -87,7 +79,7 @@ def hq_grad_input(
     return _run(
         ops.hq_grad_input,
         grad_output,
-        weight,
+        weight.detach(),  # not an nn.Parameter, whose shapes Dynamo would keep static
         seed,
         grad_bits=grad_bits,
         weight_bits=weight_bits,
