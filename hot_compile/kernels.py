@@ -51,7 +51,10 @@ def _run(fn: Callable, *tensors: Tensor, **settings):
     global _build_seconds
     graphs_before = counters["stats"]["unique_graphs"]
     start = time.perf_counter()
-    with torch.no_grad():
+    # Dynamo guards each tensor's dispatch keys as the thread-local state shows them. A compiled graph's
+    # first call reaches the op through AOTAutograd's aliasing-check mode, with ADInplaceOrView
+    # excluded, and later calls without it: one state for both, or every kernel is built twice.
+    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
         out = _kernel(fn, tuple(sorted(settings.items())))(*tensors)
     if counters["stats"]["unique_graphs"] != graphs_before:
         _build_seconds += time.perf_counter() - start
