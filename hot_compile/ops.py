@@ -68,18 +68,20 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, max_product: int = INT8_MAX_PR
 
     ``torch._int_mm`` where :func:`native_int8_matmul`; elsewhere a float32 matmul on the int8 values,
     exact at the speed of the float GEMM: in one piece when the contraction is at most
-    :func:`exact_float32_length` long, else in pieces of that length, each exact, summed in int32.
+    :func:`exact_float32_length` long, else in the fewest pieces of equal length within it (padding
+    fewer than one column per piece), each exact, summed in int32.
     """
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"int8_matmul takes int8 operands, got {a.dtype} and {b.dtype}")
     if native_int8_matmul(a.device):
         return torch._int_mm(a, b)
-    piece = exact_float32_length(max_product)
+    longest = exact_float32_length(max_product)
     k = a.shape[1]
     # Under the shape-generic compile of hot_compile.kernels this test is a guard: one kernel per side.
-    if k <= piece:
+    if k <= longest:
         return torch.mm(a.float(), b.float()).to(torch.int32)
-    pieces = (k + piece - 1) // piece
+    pieces = (k + longest - 1) // longest
+    piece = (k + pieces - 1) // pieces
     a = F.pad(a, [0, pieces * piece - k]).unflatten(1, (pieces, piece)).transpose(0, 1)  # [pieces, M, piece]
     b = F.pad(b, [0, 0, 0, pieces * piece - k]).unflatten(0, (pieces, piece))  # [pieces, piece, N]
     return torch.bmm(a.float(), b.float()).to(torch.int32).sum(0, dtype=torch.int32)

@@ -5,6 +5,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hot_compile import kernels, ops, reference
 from tests import tolerances as tol
 from tests.data import KINDS, make, rel_err
+from tests.harness import pin_int8_path
 
 SEED = torch.tensor(11)
 L, N, K = 400, 136, 72  # neither L nor N a multiple of 16
@@ -170,25 +171,27 @@ def test_non_finite_propagates(bad, per_token):
     assert not torch.isfinite(ops.hq_grad_input(g.nan_to_num(), w, SEED)).all()
 
 
-class _RecordIntMM(TorchDispatchMode):
-    def __init__(self):
+class _RecordCalls(TorchDispatchMode):
+    """The tensor arguments and the output of every call of ``op``."""
+
+    def __init__(self, op):
         super().__init__()
-        self.calls = []
+        self.op, self.calls = op, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._int_mm.default:
-            self.calls.append((args[0].dtype, args[1].dtype, out.dtype))
+        if func is self.op:
+            self.calls.append(([a for a in args if isinstance(a, torch.Tensor)], out))
         return out
 
 
 @pytest.mark.usefixtures("native_int8")
 def test_integer_matmul_is_int8_to_int32():
     g, w, x = _operands("gaussian")
-    with _RecordIntMM() as rec:
+    with _RecordCalls(torch.ops.aten._int_mm.default) as rec:
         ops.hq_grad_input(g, w, SEED)
         ops.hla_grad_weight(g, *ops.compress_activation(x), SEED)
-    assert rec.calls == [(torch.int8, torch.int8, torch.int32)] * 2
+    assert [(a.dtype, b.dtype, out.dtype) for (a, b), out in rec.calls] == [(torch.int8, torch.int8, torch.int32)] * 2
 
 
 @pytest.mark.parametrize("k", [16, ops.exact_float32_length(), ops.exact_float32_length() + 16, 3000])
@@ -201,6 +204,18 @@ def test_int8_matmul_is_exact_on_either_path(int8_path, k):
     out = ops.int8_matmul(a, b.t().contiguous().t())  # a column-major operand, as HLA passes
     assert out.dtype == torch.int32 and torch.equal(out, exact)
     assert out[0, 0] == 128 * 128 * k
+
+
+def test_long_int8_contraction_runs_in_equal_pieces(monkeypatch):
+    pin_int8_path(monkeypatch, False)
+    k = 2 * ops.exact_float32_length() + 2  # three pieces of k/3, not of the longest exact length
+    a = torch.randint(-128, 128, (5, k), dtype=torch.int8)
+    b = torch.randint(-128, 128, (k, 4), dtype=torch.int8)
+    with _RecordCalls(torch.ops.aten.bmm.default) as rec:
+        out = ops.int8_matmul(a, b)
+    [((pieces_a, _), _)] = rec.calls
+    assert pieces_a.shape == (3, 5, -(-k // 3))  # 684 columns each: 2 of padding in all
+    assert torch.equal(out, (a.long() @ b.long()).to(torch.int32))
 
 
 def test_int8_matmul_of_int4_values_is_exact_in_one_float32_piece(int8_path):
