@@ -51,11 +51,13 @@ def _run(fn: Callable, *tensors: Tensor, **settings):
     global _build_seconds
     graphs_before = counters["stats"]["unique_graphs"]
     start = time.perf_counter()
-    # Dynamo guards each tensor's dispatch keys as the thread-local state shows them. A compiled graph's
-    # first call reaches the op through AOTAutograd's aliasing-check mode, with ADInplaceOrView
-    # excluded, and later calls without it: one state for both, or every kernel is built twice.
+    # What Dynamo guards must not vary between calls that one kernel serves, or it builds another:
+    # - each tensor's dispatch keys, as the thread-local state shows them. A compiled graph's first call
+    #   reaches the op through AOTAutograd's aliasing-check mode, with ADInplaceOrView excluded, and
+    #   later calls without it: one state for both.
+    # - a view's base, and a Parameter's static shapes: detached tensors are neither.
     with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
-        out = _kernel(fn, tuple(sorted(settings.items())))(*tensors)
+        out = _kernel(fn, tuple(sorted(settings.items())))(*(t.detach() for t in tensors))
     if counters["stats"]["unique_graphs"] != graphs_before:
         _build_seconds += time.perf_counter() - start
     return out
@@ -82,7 +84,7 @@ def hq_grad_input(
     return _run(
         ops.hq_grad_input,
         grad_output,
-        weight.detach(),  # not an nn.Parameter, whose shapes Dynamo would keep static
+        weight,
         seed,
         grad_bits=grad_bits,
         weight_bits=weight_bits,

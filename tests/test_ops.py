@@ -287,3 +287,12 @@ def test_kernels_build_once_whatever_the_dispatch_state():
     built = kernels.build_seconds()
     kernels.compress_activation(x, 8, 8)
     assert kernels.build_seconds() == built
+
+
+def test_kernels_build_once_for_views_and_parameters():
+    """A backward hands the ops views in one call and fresh tensors or Parameters in the next."""
+    g, w, _ = _operands("gaussian")
+    kernels.hq_grad_input(g[:300], torch.cat([w, w])[:N], SEED, 4, 4, False, True, False)  # contiguous views
+    built = kernels.build_seconds()
+    kernels.hq_grad_input(g[:300].clone(), torch.nn.Parameter(w.clone()), SEED, 4, 4, False, True, False)
+    assert kernels.build_seconds() == built
