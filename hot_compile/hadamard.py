@@ -12,6 +12,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 BLOCK = 16
 _BLOCK_BITS = 4  # BLOCK == 2 ** _BLOCK_BITS
+_ORDERS = (1, 2, 4, 8, 16)
 
 
 def _parity(v: torch.Tensor) -> torch.Tensor:
@@ -32,18 +33,84 @@ def hadamard_matrix(dtype: torch.dtype = torch.float32, device: torch.device | s
     return _sign_of_parity(idx, idx, dtype)
 
 
-def walsh_basis(rank: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
-    """The ``rank`` rows of the order-16 Hadamard matrix with the lowest sequency, as ``[rank, 16]``.
+def walsh_basis(
+    rank: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, order: int = BLOCK
+) -> torch.Tensor:
+    """The ``rank`` rows of the Hadamard matrix of ``order`` (a power of two up to 16) with the lowest
+    sequency, as ``[rank, order]``.
 
-    The row of sequency ``k`` (``k`` sign changes) is Sylvester row ``bitreverse4(k ^ (k >> 1))``: the
-    Gray code of ``k`` read with its bits reversed. Rows are returned in increasing sequency.
+    The row of sequency ``k`` (``k`` sign changes) is Sylvester row ``bitreverse(k ^ (k >> 1))``: the
+    Gray code of ``k`` with its ``log2(order)`` bits reversed. Rows are returned in increasing sequency.
     """
-    if not 1 <= rank <= BLOCK:
-        raise ValueError(f"rank must be in 1..{BLOCK}, got {rank!r}")
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
+    if not 1 <= rank <= order:
+        raise ValueError(f"rank must be in 1..{order}, got {rank!r}")
+    bits = order.bit_length() - 1
     k = torch.arange(rank, device=device)
     gray = k ^ (k >> 1)
-    rows = ((gray & 1) << 3) | ((gray & 2) << 1) | ((gray & 4) >> 1) | ((gray & 8) >> 3)
-    return _sign_of_parity(rows, torch.arange(BLOCK, device=device), dtype)
+    rows = torch.zeros_like(gray)
+    for bit in range(bits):
+        rows = rows | (((gray >> bit) & 1) << (bits - 1 - bit))
+    return _sign_of_parity(rows, torch.arange(order, device=device), dtype)
+
+
+def lowpass_rows(n, rank: int):
+    """Rows of the rank-``rank`` low-pass projection of a length-``n`` dimension (:func:`lowpass`):
+    ``rank`` per whole block of 16, and ``⌊rank·q/16⌋`` per power-of-two part ``q`` of the ``n mod 16``
+    left over; at most ``⌊rank·n/16⌋``. Works on ints and SymInts without a guard."""
+    rows = rank * (n // BLOCK)
+    for bit in range(_BLOCK_BITS):
+        kept = rank * 2**bit // BLOCK
+        if kept:
+            rows = rows + (n // 2**bit) % 2 * kept
+    return rows
+
+
+def tail_basis(
+    remainder: int, rank: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The projection of the last ``remainder`` (< 16) positions of a dimension, as ``[rank, 16]``
+    acting on them zero-padded to 16; rows past ``lowpass_rows(remainder, rank)`` are zero.
+
+    The positions split into powers of two ``q``, largest first (13 = 8 + 4 + 1). Each part keeps the
+    ``⌊rank·q/16⌋`` lowest-sequency rows of the order-``q`` Hadamard matrix scaled by ``√(16/q)``, so
+    that the ``/16`` of a block of 16 normalizes every part: at ``rank = 16`` the projection is exact,
+    and at ``rank = 16/2^j`` it averages groups of ``2^j`` positions, as it does within whole blocks.
+    """
+    if not 0 <= remainder < BLOCK:
+        raise ValueError(f"remainder must be in 0..{BLOCK - 1}, got {remainder!r}")
+    basis = torch.zeros(rank, BLOCK, dtype=dtype, device=device)
+    row = col = 0
+    for order in _ORDERS[-2::-1]:
+        if remainder & order:
+            kept = rank * order // BLOCK
+            if kept:
+                part = walsh_basis(kept, dtype, device, order) * (BLOCK / order) ** 0.5
+                basis[row : row + kept, col : col + order] = part
+                row += kept
+            col += order
+    return basis
+
+
+def lowpass(x: torch.Tensor, rank: int, tail: torch.Tensor) -> torch.Tensor:
+    """HLA's low-pass projection ``P_L x`` of a 2-D ``x`` along its rows: ``[lowpass_rows(L, rank), K]``.
+
+    Whole blocks of 16 rows keep their ``rank`` lowest-sequency Walsh components; the ``L mod 16`` rows
+    left over are projected by ``tail`` (:func:`tail_basis` of ``L mod 16``, given as data so that a
+    shape-generic compile does not specialize on it). Padding the last block to 16 rows instead would
+    keep ``rank·⌈L/16⌉`` rows: 104 where ``⌊rank·L/16⌋`` is 98 at L = 197, rank 8.
+    """
+    n = x.shape[0]
+    whole = n // BLOCK * BLOCK
+    blocks = x[:whole].unflatten(0, (-1, BLOCK))  # [nb, 16, K]
+    basis = walsh_basis(rank, x.dtype, x.device)
+    head = torch.bmm(basis.expand(blocks.shape[0], -1, -1), blocks).flatten(0, 1)  # [rank·nb, K]
+    # The rows after the last whole block, zero-padded to 16, gathered rather than sliced: a slice
+    # would be empty when 16 divides L, and a compile would specialize on that.
+    rows = whole + torch.arange(BLOCK, device=x.device)
+    rest = torch.where((rows < n).unsqueeze(1), x[rows.clamp(max=n - 1)], 0.0)  # [16, K]
+    return torch.cat([head, tail.to(x.dtype) @ rest])[: lowpass_rows(n, rank)]
 
 
 def padded_length(n):

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch._dynamo.utils import counters
 
 from . import ops
-from .hadamard import BLOCK, padded_length
+from .hadamard import BLOCK, lowpass_rows, tail_basis
 
 # Joint-graph passes installed in Inductor's global config (HOT's own among them) are for models'
 # graphs, not for these kernels.
@@ -99,17 +99,23 @@ def _(grad_output, weight, seed, grad_bits, weight_bits, per_token, hadamard, st
     return grad_output.new_empty(*grad_output.shape[:-1], weight.shape[1])
 
 
+@functools.cache
+def _tail_basis(remainder: int, rank: int, device: torch.device) -> Tensor:
+    # An input of the kernels, not a constant in them: one kernel serves every L mod 16.
+    return tail_basis(remainder, rank, device=device)
+
+
 @torch.library.custom_op("hot_compile::compress_activation", mutates_args=())
 def compress_activation(x: Tensor, rank: int, bits: int) -> tuple[Tensor, Tensor]:
-    """:func:`hot_compile.ops.compress_activation` as one op: ``[..., K] → ([r·⌈L/16⌉, K] int8, scale)``."""
-    x_q, scale = _run(ops.compress_activation, x, rank=rank, bits=bits)
+    """:func:`hot_compile.ops.compress_activation` as one op: ``[..., K] → ([⌊r·L/16⌋ at most, K] int8, scale)``."""
+    tail = _tail_basis(x.numel() // x.shape[-1] % BLOCK, rank, x.device)
+    x_q, scale = _run(ops.compress_activation, x, tail, rank=rank, bits=bits)
     return x_q.contiguous(), scale.contiguous()
 
 
 @compress_activation.register_fake
 def _(x, rank, bits):
-    tokens = x.numel() // x.shape[-1]
-    rows = padded_length(tokens) // BLOCK * rank
+    rows = lowpass_rows(x.numel() // x.shape[-1], rank)
     return x.new_empty(rows, x.shape[-1], dtype=torch.int8), x.new_empty((), dtype=torch.float32)
 
 
@@ -118,7 +124,10 @@ def hla_grad_weight(
     grad_output: Tensor, x_q: Tensor, x_scale: Tensor, seed: Tensor, rank: int, bits: int, out_dtype: torch.dtype
 ) -> Tensor:
     """:func:`hot_compile.ops.hla_grad_weight` as one op: ``[..., N]`` and the ABC buffer → ``[N, K]``."""
-    return _run(ops.hla_grad_weight, grad_output, x_q, x_scale, seed, rank=rank, bits=bits, out_dtype=out_dtype).contiguous()
+    tail = _tail_basis(grad_output.numel() // grad_output.shape[-1] % BLOCK, rank, grad_output.device)
+    return _run(
+        ops.hla_grad_weight, grad_output, x_q, x_scale, seed, tail, rank=rank, bits=bits, out_dtype=out_dtype
+    ).contiguous()
 
 
 @hla_grad_weight.register_fake

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .hadamard import BLOCK, block_hadamard, block_transform, walsh_basis
+from .hadamard import BLOCK, block_hadamard, lowpass, tail_basis
 from .quant import qmax, quantize_nearest, quantize_sawb, quantize_stochastic
 
 # Distinct noise streams for the two stochastic quantizers of one linear layer sharing a seed.
@@ -66,17 +67,21 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, max_product: int = INT8_MAX_PR
     """``a @ b`` with int8 operands and an exact int32 result; any strides. ``max_product`` bounds
     ``|a_ik · b_kj|`` (quantizers pass ``qmax_a · qmax_b``).
 
-    ``torch._int_mm`` where :func:`native_int8_matmul`; elsewhere a float32 matmul on the int8 values,
+    ``torch._int_mm`` where :func:`native_int8_matmul`, on a contraction zero-padded to a multiple of 8
+    unless known to be one; elsewhere a float32 matmul on the int8 values,
     exact at the speed of the float GEMM: in one piece when the contraction is at most
     :func:`exact_float32_length` long, else in the fewest pieces of equal length within it (padding
     fewer than one column per piece), each exact, summed in int32.
     """
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"int8_matmul takes int8 operands, got {a.dtype} and {b.dtype}")
+    k = a.shape[1]
     if native_int8_matmul(a.device):
+        # cuBLASLt takes only contractions a multiple of 8, and HLA's need not be one.
+        if not statically_known_true(k % 8 == 0):
+            a, b = F.pad(a, [0, -k % 8]), F.pad(b, [0, 0, 0, -k % 8])
         return torch._int_mm(a, b)
     longest = exact_float32_length(max_product)
-    k = a.shape[1]
     # Under the shape-generic compile of hot_compile.kernels this test is a guard: one kernel per side.
     if k <= longest:
         return torch.mm(a.float(), b.float()).to(torch.int32)
@@ -122,17 +127,24 @@ def hq_grad_input(
     return out.to(grad_output.dtype).reshape(*grad_output.shape[:-1], k)
 
 
+def _lowpass(x2: torch.Tensor, rank: int, tail: torch.Tensor | None) -> torch.Tensor:
+    if tail is None:
+        tail = tail_basis(x2.shape[0] % BLOCK, rank, device=x2.device)
+    return lowpass(x2.float(), rank, tail)
+
+
 def compress_activation(
-    x: torch.Tensor, *, rank: int = DEFAULT_RANK, bits: int = DEFAULT_GW_BITS
+    x: torch.Tensor, tail: torch.Tensor | None = None, *, rank: int = DEFAULT_RANK, bits: int = DEFAULT_GW_BITS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Activation buffer compression (ABC): ``x → (q(P_L x), s_x)``.
 
-    ``P_L`` keeps the ``rank`` lowest-sequency Walsh rows of each block of 16 tokens, so the int8
-    result is ``[r·⌈L/16⌉, K]``: ``r/64`` of the bytes of a float32 ``x`` (1/8 at r = 8).
+    ``P_L`` (:func:`hot_compile.hadamard.lowpass`) keeps the ``rank`` lowest-sequency Walsh rows of
+    each block of 16 tokens, and proportionally fewer of the ``L mod 16`` left over, so the int8 result
+    is ``[⌊r·L/16⌋, K]`` at most: ``r/64`` of the bytes of a float32 ``x`` (1/8 at r = 8) at any L.
+    ``tail`` is ``tail_basis(L mod 16, rank)``, built here when not given.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    projected = block_transform(x2.float(), walsh_basis(rank, device=x.device), 0)
-    return quantize_nearest(projected, bits)
+    return quantize_nearest(_lowpass(x2, rank, tail), bits)
 
 
 def hla_grad_weight(
@@ -140,6 +152,7 @@ def hla_grad_weight(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
     seed: torch.Tensor,
+    tail: torch.Tensor | None = None,
     *,
     rank: int = DEFAULT_RANK,
     bits: int = DEFAULT_GW_BITS,
@@ -149,10 +162,10 @@ def hla_grad_weight(
 
     ``gᵀ x ≈ (P_L g)ᵀ (P_L x) / 16`` (exact at r = 16), so
     ``grad_W ≈ int_mm(q(P_L g)ᵀ, q(P_L x)) · s_g · s_x / 16`` with ``q(P_L g)`` stochastic per-tensor
-    and ``(q(P_L x), s_x)`` from :func:`compress_activation` at the same ``rank``. Returns ``[N, K]``.
+    and ``(q(P_L x), s_x)`` from :func:`compress_activation` at the same ``rank`` (and ``tail``).
+    Returns ``[N, K]``.
     """
     g2 = grad_output.reshape(-1, grad_output.shape[-1])
-    projected = block_transform(g2.float(), walsh_basis(rank, device=g2.device), 0)
-    qg, sg = quantize_stochastic(projected, bits, seed, salt=SALT_GRAD_WEIGHT)
+    qg, sg = quantize_stochastic(_lowpass(g2, rank, tail), bits, seed, salt=SALT_GRAD_WEIGHT)
     out = int8_matmul(qg.t(), x_q, qmax(bits) ** 2).to(torch.float32) * (sg * (x_scale / BLOCK))
     return out.to(out_dtype or grad_output.dtype)

@@ -24,10 +24,19 @@ def sylvester_hadamard(order: int = BLOCK) -> torch.Tensor:
     return h
 
 
-def sequency_sorted_rows(rank: int) -> torch.Tensor:
-    h = sylvester_hadamard()
-    changes = [(int((h[i, 1:] != h[i, :-1]).sum()), i) for i in range(BLOCK)]
+def sequency_sorted_rows(rank: int, order: int = BLOCK) -> torch.Tensor:
+    h = sylvester_hadamard(order)
+    changes = [(int((h[i, 1:] != h[i, :-1]).sum()), i) for i in range(order)]
     return h[[i for _, i in sorted(changes)[:rank]]]
+
+
+def lowpass_matrix(n: int, rank: int) -> torch.Tensor:
+    """HLA's ``P_L`` for length ``n``: block-diagonal over parts of 16, then the powers of two of
+    ``n mod 16``, largest first; a part of length ``q`` keeps its ``⌊rank·q/16⌋`` lowest-sequency
+    Hadamard rows, times ``√(16/q)``."""
+    parts = [BLOCK] * (n // BLOCK) + [q for q in (8, 4, 2, 1) if n % BLOCK & q]
+    blocks = [sequency_sorted_rows(rank * q // BLOCK, q) * (BLOCK / q) ** 0.5 for q in parts]
+    return torch.block_diag(*blocks)
 
 
 def block_matrix(n: int, basis: torch.Tensor) -> torch.Tensor:
@@ -81,19 +90,21 @@ def hq_grad_input(g, w, seed, *, grad_bits=4, weight_bits=4, per_token=False, st
     return ((qg @ qw) * sg * sw / BLOCK).reshape(*g.shape[:-1], k)
 
 
+def lowpass(x: torch.Tensor, rank: int) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).to(F64)
+    return lowpass_matrix(x2.shape[0], rank) @ x2
+
+
 def compress_activation(x, *, rank=8, bits=8):
-    return nearest(block_transform(x.reshape(-1, x.shape[-1]), sequency_sorted_rows(rank), 0), bits)
+    return nearest(lowpass(x, rank), bits)
 
 
 def hla_grad_weight(g, x_q, x_scale, seed, *, rank=8, bits=8):
-    pg = block_transform(g.reshape(-1, g.shape[-1]), sequency_sorted_rows(rank), 0)
+    pg = lowpass(g, rank)
     qg, sg = stochastic(pg, bits, hash_uniform(pg, seed, SALT_GRAD_WEIGHT))
     return (qg.T @ x_q.to(F64)) * sg * x_scale.to(F64) / BLOCK
 
 
 def lowpass_product(g, x, rank=8):
     """The unquantized HLA target ``(P_L g)ᵀ (P_L x) / 16``."""
-    p = sequency_sorted_rows(rank)
-    pg = block_transform(g.reshape(-1, g.shape[-1]), p, 0)
-    px = block_transform(x.reshape(-1, x.shape[-1]), p, 0)
-    return pg.T @ px / BLOCK
+    return lowpass(g, rank).T @ lowpass(x, rank) / BLOCK

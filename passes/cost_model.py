@@ -2,7 +2,8 @@
 
 Pure functions of integer shapes and a :class:`~hot_compile.devices.DeviceProfile`; nothing here looks
 at a graph. Notation: a linear ``y = x Wᵀ`` with ``x: [L, K]``, ``W: [N, K]``; ``b`` the bytes per
-element of the float dtype; ``Np = 16·⌈N/16⌉``; ``Lr = r·⌈L/16⌉`` the projected token count at rank r.
+element of the float dtype; ``Np = 16·⌈N/16⌉``; ``Lr`` the projected token count at rank r, at most
+``⌊r·L/16⌋`` (:func:`~hot_compile.hadamard.lowpass_rows`).
 Profile rates: ``F`` float matmul FLOP/s of the dtype, ``I`` int8 OP/s, ``R``/``W`` read/write bytes/s,
 ``T`` fused transform+quantize outputs/s, ``c`` seconds per kernel call.
 """
@@ -12,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..devices import DeviceProfile
-
-BLOCK = 16
+from ..hadamard import BLOCK, lowpass_rows
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -78,7 +78,7 @@ def grad_input_cost(l: int, n: int, k: int, elem_bytes: int, flops: float, profi
 
 def compressed_bytes(l: int, k: int, rank: int) -> int:
     """Bytes of the ABC buffer: ``Lr·K`` int8 plus a 4-byte scale."""
-    return rank * _ceil_div(l, BLOCK) * k + 4
+    return lowpass_rows(l, rank) * k + 4
 
 
 def grad_weight_cost(
@@ -90,7 +90,7 @@ def grad_weight_cost(
     HLA+ABC = quantize(g: L×N → Lr·N) + ``2·N·Lr·K/I`` + dequantize(N×K)
     + the forward's compression quantize(x: L×K → Lr·K), saving ``Lr·K + 4`` bytes.
     """
-    lr = rank * _ceil_div(l, BLOCK)
+    lr = lowpass_rows(l, rank)
     hot = (
         quantize_time(l, n, lr * n, elem_bytes, profile)
         + int_matmul_time(n, lr, k, elem_bytes, profile)

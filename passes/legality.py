@@ -6,6 +6,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import HotConfig
+from ..hadamard import lowpass_rows
 from .sites import LinearSite, MatmulUse
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -13,14 +14,15 @@ SUPPORTED_DEVICES = ("cpu", "cuda")
 
 
 def _cuda_int_mm_problem(site: LinearSite, path: str, config: HotConfig) -> str | None:
-    """cuBLASLt's int8 GEMM needs M > 16 and K, N multiples of 8 (``torch._int_mm`` on CUDA)."""
+    """cuBLASLt's int8 GEMM needs M > 16 and K, N multiples of 8 (``torch._int_mm`` on CUDA); HLA's
+    contraction is padded to a multiple of 8 by ``ops.int8_matmul``."""
     l, n, k = site.shapes
     if not statically_known_true(k % 8 == 0):
         return "CUDA _int_mm needs in_features a multiple of 8"
     if path == "gx" and not statically_known_true(l > 16):
         return "CUDA _int_mm needs more than 16 tokens"
-    if path == "gw" and (config.rank % 8 != 0 or not statically_known_true(n > 16)):
-        return "CUDA _int_mm needs rank a multiple of 8 and more than 16 out_features"
+    if path == "gw" and not statically_known_true(n > 16):
+        return "CUDA _int_mm needs more than 16 out_features"
     return None
 
 
@@ -39,6 +41,8 @@ def why_illegal(site: LinearSite, use: MatmulUse, path: str, config: HotConfig) 
             return f"device {v.device.type} is not supported"
     if any(statically_known_true(d == 0) for d in site.shapes):
         return "zero-size matmul"
+    if path == "gw" and statically_known_true(lowpass_rows(site.shapes[0], config.rank) == 0):
+        return f"rank {config.rank} keeps no row of L = {site.shapes[0]} tokens"
     if out.device.type == "cuda":
         return _cuda_int_mm_problem(site, path, config)
     return None

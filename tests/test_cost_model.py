@@ -41,13 +41,12 @@ def test_speedup_grows_with_size():
     assert ratios == sorted(ratios)
 
 
-@pytest.mark.parametrize("l", [16, 197, 6272, 6304])
-def test_saved_bytes_are_an_eighth_of_fp32_at_rank_8(l):
+@pytest.mark.parametrize("l", [16, 17, 197, 6272, 6304])
+def test_saved_bytes_are_at_most_an_eighth_of_fp32_at_rank_8(l):
     cost = _gw(l, 64, 384)
     assert cost.saved_bytes_before == l * 384 * 4
-    assert cost.saved_bytes_after == 8 * -(-l // 16) * 384 + 4
-    if l % 16 == 0:
-        assert cost.saved_bytes_after - 4 == cost.saved_bytes_before // 8
+    assert cost.saved_bytes_after == l // 2 * 384 + 4  # one row per pair of tokens, a 4-byte scale
+    assert cost.saved_bytes_after - 4 <= cost.saved_bytes_before / 8
 
 
 def _decide(path, shape, policy, **config):

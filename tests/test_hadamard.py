@@ -25,10 +25,43 @@ def test_walsh_basis_sequency_increases():
     assert changes.tolist() == list(range(16))
 
 
+@pytest.mark.parametrize("order", [1, 2, 4, 8, 16])
+def test_walsh_basis_of_every_order_is_lowest_sequency_rows(order):
+    for rank in range(1, order + 1):
+        assert torch.equal(hadamard.walsh_basis(rank, F64, order=order), reference.sequency_sorted_rows(rank, order))
+
+
 @pytest.mark.parametrize("rank", [0, 17, -1])
 def test_walsh_basis_rejects_bad_rank(rank):
     with pytest.raises(ValueError, match="rank"):
         hadamard.walsh_basis(rank)
+
+
+def test_walsh_basis_rejects_an_order_not_a_power_of_two():
+    with pytest.raises(ValueError, match="order"):
+        hadamard.walsh_basis(2, order=12)
+
+
+@pytest.mark.parametrize("remainder", [-1, 16])
+def test_tail_basis_rejects_a_remainder_outside_a_block(remainder):
+    with pytest.raises(ValueError, match="remainder"):
+        hadamard.tail_basis(remainder, 8)
+
+
+@pytest.mark.parametrize("rank", [1, 4, 8, 16])
+@pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 197])
+def test_lowpass_matches_reference_and_keeps_at_most_rank_over_16_of_the_rows(rank, n):
+    x = torch.randn(n, 6, dtype=F64)
+    out = hadamard.lowpass(x, rank, hadamard.tail_basis(n % 16, rank, F64))
+    assert out.shape == (hadamard.lowpass_rows(n, rank), 6)
+    assert hadamard.lowpass_rows(n, rank) <= rank * n // 16
+    torch.testing.assert_close(out, reference.lowpass(x, rank), rtol=0, atol=tol.FP64_EXACT * 16)
+
+
+@pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 197])
+def test_lowpass_at_full_rank_is_orthogonal_up_to_16(n):
+    p = reference.lowpass_matrix(n, 16)
+    torch.testing.assert_close(p.T @ p, 16 * torch.eye(n, dtype=F64), rtol=0, atol=tol.FP64_EXACT * 16)
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 197, 6272])

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hot_compile import kernels, ops, reference
+from hot_compile import hadamard, kernels, ops, reference
 from tests import tolerances as tol
 from tests.data import KINDS, make, rel_err
 from tests.harness import pin_int8_path
@@ -30,11 +30,13 @@ def test_hq_matches_reference_2d_and_nd(per_token, shape, stochastic_weight):
     assert rel_err(out, ref) < tol.FP32_VS_REFERENCE
 
 
+@pytest.mark.parametrize("tokens", [L, 197])
 @pytest.mark.parametrize("rank", [1, 8, 16])
-def test_compress_and_hla_match_reference(rank):
+def test_compress_and_hla_match_reference(rank, tokens):
     g, _, x = _operands("gaussian")
-    xq, xs = ops.compress_activation(x.reshape(4, 100, K), rank=rank)
-    assert xq.dtype == torch.int8 and xq.shape == (rank * -(-L // 16), K) and xs.shape == ()
+    g, x = g[:tokens], x[:tokens]
+    xq, xs = ops.compress_activation(x.reshape(1, tokens, K), rank=rank)
+    assert xq.dtype == torch.int8 and xq.shape == (hadamard.lowpass_rows(tokens, rank), K) and xs.shape == ()
     ref_q, ref_s = reference.compress_activation(x, rank=rank)
     assert (xq.double() != ref_q).float().mean() <= tol.LEVEL_MISMATCH_FRACTION
     out = ops.hla_grad_weight(g, xq, xs, SEED, rank=rank)
@@ -265,11 +267,19 @@ def test_custom_ops_pass_opcheck():
 
 
 def test_one_kernel_serves_every_shape():
-    """The ops' kernels are compiled for symbolic shapes: a new layer shape builds nothing."""
-    g, w, _ = _operands("gaussian")
-    kernels.hq_grad_input(g, w, SEED, 4, 4, False, True, False)
+    """The ops' kernels are compiled for symbolic shapes: a new layer shape, or a token count with
+    another remainder mod 16, builds nothing."""
+    g, w, x = _operands("gaussian")
+
+    def step(tokens, n, k):
+        gs, ws, xs = g[:tokens, :n].contiguous(), w[:n, :k].contiguous(), x[:tokens, :k].contiguous()
+        kernels.hq_grad_input(gs, ws, SEED, 4, 4, False, True, False)
+        kernels.hla_grad_weight(gs, *kernels.compress_activation(xs, 8, 8), SEED, 8, 8, torch.float32)
+
+    step(L, N, K)
     built = kernels.build_seconds()
-    kernels.hq_grad_input(g[:300, :100].contiguous(), w[:100, :40].contiguous(), SEED, 4, 4, False, True, False)
+    step(197, 100, 40)
+    step(300, 100, 40)
     assert kernels.build_seconds() == built
 
 

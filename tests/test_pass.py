@@ -91,6 +91,13 @@ def test_transformer_block_leaves_attention_alone_and_shares_qkv_buffer():
     assert len(int8_saved) == 4
 
 
+@pytest.mark.parametrize("tokens", [197, 6272])
+def test_abc_keeps_at_most_an_eighth_of_the_fp32_input_at_any_length(tokens):
+    graphs = _run(MLP(32, 64, 32), torch.randn(1, tokens, 32))
+    int8 = [v for v in graphs.saved() if v.dtype == torch.int8]
+    assert len(int8) == 2 and all(v.numel() <= tokens * v.shape[1] * 4 / 8 for v in int8)
+
+
 def test_abc_saves_int8_and_no_float_input():
     graphs = _run(MLP(32, 256, 32), torch.randn(8, 96, 32))
     saved = graphs.saved()
@@ -148,6 +155,13 @@ def test_policy_off_and_globs_keep_sites(config, kept):
     graphs = _run(MLP(), torch.randn(4, 50, 32, requires_grad=True), config)
     assert len(_rows(decision="kept")) == kept
     assert len(graphs.nodes("backward", aten.mm.default)) == kept
+
+
+def test_grad_weight_of_a_single_token_is_kept_at_rank_8():
+    """Rank 8 keeps one row per pair of tokens, none of a lone one: HLA would return zeros."""
+    _run(MLP(), torch.randn(1, 32, requires_grad=True))
+    assert {r.decision for r in _rows(path="gx")} == {"HQ"}
+    assert all(r.decision == "kept" and "keeps no row of L = 1 tokens" in r.reason for r in _rows(path="gw"))
 
 
 def test_float64_linear_is_kept_with_reason():
