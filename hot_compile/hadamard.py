@@ -59,6 +59,10 @@ def lowpass_rows(n, rank: int):
     """Rows of the rank-``rank`` low-pass projection of a length-``n`` dimension (:func:`lowpass`):
     ``rank`` per whole block of 16, and ``⌊rank·q/16⌋`` per power-of-two part ``q`` of the ``n mod 16``
     left over; at most ``⌊rank·n/16⌋``. Works on ints and SymInts without a guard."""
+    if rank & (rank - 1) == 0:
+        # The same count for a power-of-two rank, in a form whose bounds the symbolic-shape solver sees
+        # (rows ≥ 1 when n ≥ 16/rank), where the sum below would make a compile guard on them.
+        return rank * n // BLOCK
     rows = rank * (n // BLOCK)
     for bit in range(_BLOCK_BITS):
         kept = rank * 2**bit // BLOCK
