@@ -1,7 +1,9 @@
-"""Block-16 Walsh–Hadamard transforms and the low-pass Walsh basis.
+"""Block-16 Walsh–Hadamard transforms, the low-pass Walsh basis, and HLA's low-pass projection.
 
-Every matrix here is built in-graph from ``arange`` and bit operations, so a traced function that uses
-it carries no tensor constants and Inductor folds the ±1 entries into the consuming kernel.
+The ±1 matrices are built in-graph from ``arange`` and bit operations, so a traced function that uses
+them carries no tensor constants and Inductor folds the entries into the consuming kernel. The one
+exception, :func:`tail_basis`, depends on the length's remainder mod 16 and is built eagerly, to be
+passed to compiled code as an input.
 """
 
 from __future__ import annotations
