@@ -109,9 +109,7 @@ def lowpass(x: torch.Tensor, rank: int, tail: torch.Tensor) -> torch.Tensor:
     """
     n = x.shape[0]
     whole = n // BLOCK * BLOCK
-    blocks = x[:whole].unflatten(0, (-1, BLOCK))  # [nb, 16, K]
-    basis = walsh_basis(rank, x.dtype, x.device)
-    head = torch.bmm(basis.expand(blocks.shape[0], -1, -1), blocks).flatten(0, 1)  # [rank·nb, K]
+    head = block_transform(x[:whole], walsh_basis(rank, device=x.device), 0)  # [rank·(n // 16), K]
     # The rows after the last whole block, zero-padded to 16, gathered rather than sliced: a slice
     # would be empty when 16 divides L, and a compile would specialize on that.
     rows = whole + torch.arange(BLOCK, device=x.device)

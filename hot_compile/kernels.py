@@ -100,15 +100,20 @@ def _(grad_output, weight, seed, grad_bits, weight_bits, per_token, hadamard, st
 
 
 @functools.cache
-def _tail_basis(remainder: int, rank: int, device: torch.device) -> Tensor:
-    # An input of the kernels, not a constant in them: one kernel serves every L mod 16.
+def _cached_tail_basis(remainder: int, rank: int, device: torch.device) -> Tensor:
     return tail_basis(remainder, rank, device=device)
+
+
+def _tail_basis(t: Tensor, rank: int) -> Tensor:
+    """``tail_basis`` of ``t``'s token count mod 16: an input of the kernels, not a constant in them,
+    so that one kernel serves every ``L mod 16``."""
+    return _cached_tail_basis(t.numel() // t.shape[-1] % BLOCK, rank, t.device)
 
 
 @torch.library.custom_op("hot_compile::compress_activation", mutates_args=())
 def compress_activation(x: Tensor, rank: int, bits: int) -> tuple[Tensor, Tensor]:
     """:func:`hot_compile.ops.compress_activation` as one op: ``[..., K] → ([⌊r·L/16⌋ at most, K] int8, scale)``."""
-    tail = _tail_basis(x.numel() // x.shape[-1] % BLOCK, rank, x.device)
+    tail = _tail_basis(x, rank)
     x_q, scale = _run(ops.compress_activation, x, tail, rank=rank, bits=bits)
     return x_q.contiguous(), scale.contiguous()
 
@@ -124,7 +129,7 @@ def hla_grad_weight(
     grad_output: Tensor, x_q: Tensor, x_scale: Tensor, seed: Tensor, rank: int, bits: int, out_dtype: torch.dtype
 ) -> Tensor:
     """:func:`hot_compile.ops.hla_grad_weight` as one op: ``[..., N]`` and the ABC buffer → ``[N, K]``."""
-    tail = _tail_basis(grad_output.numel() // grad_output.shape[-1] % BLOCK, rank, grad_output.device)
+    tail = _tail_basis(grad_output, rank)
     return _run(
         ops.hla_grad_weight, grad_output, x_q, x_scale, seed, tail, rank=rank, bits=bits, out_dtype=out_dtype
     ).contiguous()
