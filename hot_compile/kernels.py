@@ -30,12 +30,13 @@ from .hadamard import BLOCK, lowpass_rows, tail_basis
 _KERNEL_INDUCTOR_OPTIONS = {"joint_custom_pre_pass": None, "joint_custom_post_pass": None}
 
 _build_seconds = 0.0
+_SPECIALIZE_SETTINGS = torch._dynamo.config.patch(specialize_int=True)
 
 
 @functools.cache
 def _kernel(fn: Callable, config: tuple[tuple[str, object], ...]) -> Callable:
-    """``fn`` with keyword settings ``config``, compiled for any shapes. The settings are closure
-    constants, so Dynamo specializes on them instead of turning integers into symbols."""
+    """``fn`` with keyword settings ``config``, compiled for any shapes (and, by :func:`_run`, specialized
+    on the settings)."""
     settings = dict(config)
 
     def kernel(*tensors: Tensor):
@@ -56,7 +57,10 @@ def _run(fn: Callable, *tensors: Tensor, **settings):
     #   reaches the op through AOTAutograd's aliasing-check mode, with ADInplaceOrView excluded, and
     #   later calls without it: one state for both.
     # - a view's base, and a Parameter's static shapes: detached tensors are neither.
-    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+    # The settings are constants of the kernel: under dynamic=True Dynamo would otherwise make the
+    # integer ones (rank, bits) symbols, and every shape expression of the trace products of symbols
+    # (an HLA kernel compiled 1.5× slower).
+    with torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView(), _SPECIALIZE_SETTINGS:
         out = _kernel(fn, tuple(sorted(settings.items())))(*(t.detach() for t in tensors))
     if counters["stats"]["unique_graphs"] != graphs_before:
         _build_seconds += time.perf_counter() - start

@@ -283,6 +283,19 @@ def test_one_kernel_serves_every_shape():
     assert kernels.build_seconds() == built
 
 
+def test_kernels_take_their_integer_settings_as_constants():
+    """Shapes are symbolic in the kernels, rank and bits are not: a symbolic rank would make every
+    shape expression a product of symbols, which the trace and Inductor then simplify at length."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    _, _, x = _operands("gaussian")
+    kernels.compress_activation(x, 4, 6)
+    kernel = kernels._kernel(ops.compress_activation, (("bits", 6), ("rank", 4)))
+    (entry,) = _debug_get_cache_entry_list(kernel._torchdynamo_orig_callable.__code__)
+    guards = entry.guard_manager.code_parts
+    assert "L['settings']['rank'] == 4" in guards and "L['settings']['bits'] == 6" in guards
+
+
 def test_kernels_build_once_whatever_the_dispatch_state():
     """AOTAutograd runs a compiled graph's first call under a dispatch mode that checks custom ops
     for aliasing; the ops' kernels built there serve the calls after it."""
