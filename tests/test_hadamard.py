@@ -116,3 +116,13 @@ def test_any_strides():
             torch.testing.assert_close(
                 hadamard.block_hadamard(view, dim), reference.block_transform(view, h, dim), rtol=0, atol=1e-11
             )
+
+
+@pytest.mark.parametrize("n, padded", [(32, False), (40, True)])
+def test_a_length_that_is_a_multiple_of_16_is_not_copied_under_symbolic_shapes(n, padded):
+    """Padding copies the whole operand: a shape-generic trace tests ``n % 16`` (one kernel for each
+    answer) rather than pad a length that transformer widths never need padded."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda g: hadamard.block_hadamard(g, 1), tracing_mode="symbolic")(torch.randn(8, n))
+    assert any(node.target == torch.ops.aten.constant_pad_nd.default for node in gm.graph.nodes) == padded
