@@ -29,13 +29,15 @@ class DeviceProfile:
     Attributes:
         name: profile name.
         matmul_flops: dense float matmul rate per dtype name, FLOP/s (2·M·N·K per product).
-        int8_ops: rate of the integer product HOT runs (``ops.int8_matmul``: ``torch._int_mm``, or a
-            float GEMM on CPUs without VNNI/AMX), OP/s (2·M·N·K per product).
+        int8_ops: rate of the integer product HOT runs on INT8 operands (``ops.int8_matmul``:
+            ``torch._int_mm``, or a float GEMM on CPUs without VNNI/AMX), OP/s (2·M·N·K per product).
         read_bw: bytes/s streamed into an elementwise kernel.
         write_bw: bytes/s written to a freshly allocated output (CPU: includes first-touch page faults).
         transform_rate: outputs/s of a fused block-16 transform + stochastic int8 quantization kernel
             (16 multiply-adds, a hash and a rounding per output).
         kernel_overhead: seconds per kernel or extern call, whatever its size.
+        narrow_int8_ops: the rate on operands of at most 7 bits where it differs from ``int8_ops``: on
+            x86 CPUs without VNNI/AMX, oneDNN's uint8 × int8 GEMM (``ops.u8s8_exact``). None: ``int8_ops``.
     """
 
     name: str
@@ -45,18 +47,30 @@ class DeviceProfile:
     write_bw: float
     transform_rate: float
     kernel_overhead: float
+    narrow_int8_ops: float | None = None
 
     def __post_init__(self) -> None:
         missing = set(_DTYPES) - set(self.matmul_flops)
         if missing:
             raise ValueError(f"DeviceProfile {self.name!r}: matmul_flops lacks {sorted(missing)}")
         numbers = [*self.matmul_flops.values(), self.int8_ops, self.read_bw, self.write_bw, self.transform_rate]
+        if self.narrow_int8_ops is not None:
+            numbers.append(self.narrow_int8_ops)
         if any(not (isinstance(v, (int, float)) and v > 0) for v in numbers) or self.kernel_overhead < 0:
             raise ValueError(f"DeviceProfile {self.name!r}: rates must be positive numbers")
         object.__setattr__(self, "matmul_flops", dict(sorted(self.matmul_flops.items())))
 
     def matmul_rate(self, dtype: torch.dtype) -> float:
         return self.matmul_flops[str(dtype).removeprefix("torch.")]
+
+    def int8_rate(self, bits: int) -> float:
+        """OP/s of the integer product of two ``bits``-bit operands."""
+        from .ops import u8s8_exact
+        from .quant import qmax
+
+        if self.narrow_int8_ops is not None and u8s8_exact(qmax(bits), qmax(bits)):
+            return self.narrow_int8_ops
+        return self.int8_ops
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -100,6 +114,16 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             write_bw=2.5e10,
             transform_rate=1.1e9,
             kernel_overhead=5e-6,
+        ),
+        DeviceProfile(
+            name="cpu-avx2-2core",  # AMD EPYC, AVX2 only: INT4 products on oneDNN's u8s8 GEMM, INT8 on fp32
+            matmul_flops={"float32": 1.6e11, "bfloat16": 9.6e8, "float16": 8.8e8},
+            int8_ops=1.3e11,
+            read_bw=3.7e10,
+            write_bw=3.0e10,
+            transform_rate=6.3e8,
+            kernel_overhead=4e-6,
+            narrow_int8_ops=2.5e11,
         ),
         DeviceProfile(
             name="cpu-generic",
@@ -183,6 +207,8 @@ def resolve_profile(device: torch.device, name: str = "auto") -> DeviceProfile:
         return BUILTIN_PROFILES["cpu-sapphire-rapids-2core"]
     if {"avx512_vnni", "avx512_bf16"} <= flags:
         return BUILTIN_PROFILES["cpu-zen4-2core"]
+    if "avx2" in flags and "avx512_vnni" not in flags:
+        return BUILTIN_PROFILES["cpu-avx2-2core"]
     return BUILTIN_PROFILES["cpu-generic"]
 
 
@@ -209,22 +235,29 @@ def _fitted_transform_rate(profile: DeviceProfile, repeats: int, l: int = 2048, 
     padded = padded_length(n)
     outputs = l * padded + padded * k
     flops = profile.matmul_rate(torch.float32)
-    rest = grad_input_cost(l, n, k, 4, flops, dataclasses.replace(profile, transform_rate=float("inf"))).hot_s
+    rest = grad_input_cost(l, n, k, 4, flops, dataclasses.replace(profile, transform_rate=float("inf")), 4).hot_s
     # The other terms can exceed a measurement that is mostly transform-bound by noise alone.
     return outputs / max(measured - rest, measured / 4)
 
 
 def calibrate(size: int = 1024, repeats: int = 15) -> DeviceProfile:
-    """Measure this CPU: float and int8 matmul rates, streaming bandwidths, the per-call overhead, and
-    the transform + quantize rate fitted to the compiled HQ op (see :func:`_fitted_transform_rate`)."""
-    from .ops import int8_matmul
+    """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
+    bandwidths, the per-call overhead, and the transform + quantize rate fitted to the compiled HQ op
+    (see :func:`_fitted_transform_rate`)."""
+    from .ops import int8_gemm_kind, int8_matmul, u8s8_linear
 
     flops = {}
     for dtype in _DTYPES:
         a = torch.randn(size, size).to(getattr(torch, dtype))
         flops[dtype] = 2 * size**3 / _median_seconds(lambda a=a: a @ a, repeats)
-    q = torch.randint(-7, 8, (size, size), dtype=torch.int8)
-    int8_ops = 2 * size**3 / _median_seconds(lambda: int8_matmul(q, q), repeats)
+    q8 = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    int8_ops = 2 * size**3 / _median_seconds(lambda: int8_matmul(q8, q8, 127, 127), repeats)
+    narrow_int8_ops = None
+    if int8_gemm_kind(torch.device("cpu")) == "u8s8":
+        # The GEMM alone: a compiled op's quantizer writes the shifted uint8 operand itself.
+        q4 = torch.randint(-7, 8, (size, size), dtype=torch.int8)
+        shifted, weight = (q4.to(torch.int32) + 7).to(torch.uint8), q4.t().contiguous()
+        narrow_int8_ops = 2 * size**3 / _median_seconds(lambda: u8s8_linear(shifted, 7, weight), repeats)
 
     big = torch.randn(4096, 4096)
     read_bw = big.numel() * 4 / _median_seconds(lambda: big.sum(), repeats)
@@ -242,6 +275,7 @@ def calibrate(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         write_bw=write_bw,
         transform_rate=1.0,  # fitted next, from the rates above
         kernel_overhead=kernel_overhead,
+        narrow_int8_ops=narrow_int8_ops,
     )
     return dataclasses.replace(measured, transform_rate=_fitted_transform_rate(measured, repeats))
 

@@ -64,8 +64,8 @@ def _estimate(site: LinearSite, path: str, config: HotConfig, profiles: dict) ->
     profile = profiles[val.device]
     flops = profile.matmul_rate(val.dtype)
     if path == "gx":
-        return l * n * k, grad_input_cost(l, n, k, val.element_size(), flops, profile)
-    return l * n * k, grad_weight_cost(l, n, k, config.rank, val.element_size(), flops, profile)
+        return l * n * k, grad_input_cost(l, n, k, val.element_size(), flops, profile, config.gx_bits)
+    return l * n * k, grad_weight_cost(l, n, k, config.rank, val.element_size(), flops, profile, config.gw_bits)
 
 
 def _shape(site: LinearSite, path: str) -> str:

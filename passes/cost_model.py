@@ -4,7 +4,8 @@ Pure functions of integer shapes and a :class:`~hot_compile.devices.DeviceProfil
 at a graph. Notation: a linear ``y = x Wᵀ`` with ``x: [L, K]``, ``W: [N, K]``; ``b`` the bytes per
 element of the float dtype; ``Np = 16·⌈N/16⌉``; ``Lr`` the projected token count at rank r, at most
 ``⌊r·L/16⌋`` (:func:`~hot_compile.hadamard.lowpass_rows`).
-Profile rates: ``F`` float matmul FLOP/s of the dtype, ``I`` int8 OP/s, ``R``/``W`` read/write bytes/s,
+Profile rates: ``F`` float matmul FLOP/s of the dtype, ``I`` integer OP/s at the site's bit width
+(:meth:`~hot_compile.devices.DeviceProfile.int8_rate`), ``R``/``W`` read/write bytes/s,
 ``T`` fused transform+quantize outputs/s, ``c`` seconds per kernel call.
 """
 
@@ -50,10 +51,11 @@ def quantize_time(rows: int, cols: int, out_elems: int, elem_bytes: int, profile
     )
 
 
-def int_matmul_time(m: int, k: int, n: int, out_elem_bytes: int, profile: DeviceProfile) -> float:
-    """``2·m·k·n / I`` for the int32 product, then dequantize: ``m·n·4 / R + m·n·b_out / W``, 2 calls."""
+def int_matmul_time(m: int, k: int, n: int, out_elem_bytes: int, profile: DeviceProfile, bits: int) -> float:
+    """``2·m·k·n / I`` for the int32 product of ``bits``-bit operands, then dequantize:
+    ``m·n·4 / R + m·n·b_out / W``, 2 calls."""
     return (
-        2 * m * k * n / profile.int8_ops
+        2 * m * k * n / profile.int8_rate(bits)
         + m * n * 4 / profile.write_bw
         + m * n * 4 / profile.read_bw
         + m * n * out_elem_bytes / profile.write_bw
@@ -61,8 +63,10 @@ def int_matmul_time(m: int, k: int, n: int, out_elem_bytes: int, profile: Device
     )
 
 
-def grad_input_cost(l: int, n: int, k: int, elem_bytes: int, flops: float, profile: DeviceProfile) -> SiteCost:
-    """grad_input ``[L, N] @ [N, K]``.
+def grad_input_cost(
+    l: int, n: int, k: int, elem_bytes: int, flops: float, profile: DeviceProfile, bits: int
+) -> SiteCost:
+    """grad_input ``[L, N] @ [N, K]`` with ``bits``-bit HQ operands.
 
     original = ``2LNK/F + LKb/W + c``;
     HQ = quantize(g: L×N → L·Np) + quantize(W: N×K → Np·K) + ``2·L·Np·K/I`` + dequantize(L×K).
@@ -71,7 +75,7 @@ def grad_input_cost(l: int, n: int, k: int, elem_bytes: int, flops: float, profi
     hot = (
         quantize_time(l, n, l * np_, elem_bytes, profile)
         + quantize_time(n, k, np_ * k, elem_bytes, profile)
-        + int_matmul_time(l, np_, k, elem_bytes, profile)
+        + int_matmul_time(l, np_, k, elem_bytes, profile, bits)
     )
     return SiteCost(matmul_time(l, n, k, elem_bytes, profile, flops), hot)
 
@@ -82,9 +86,9 @@ def compressed_bytes(l: int, k: int, rank: int) -> int:
 
 
 def grad_weight_cost(
-    l: int, n: int, k: int, rank: int, elem_bytes: int, flops: float, profile: DeviceProfile
+    l: int, n: int, k: int, rank: int, elem_bytes: int, flops: float, profile: DeviceProfile, bits: int
 ) -> SiteCost:
-    """grad_weight ``[N, L] @ [L, K]`` with its activation.
+    """grad_weight ``[N, L] @ [L, K]`` with its activation, ``bits``-bit HLA operands.
 
     original = ``2NLK/F + NKb/W + c``, saving ``L·K·b`` bytes of ``x``;
     HLA+ABC = quantize(g: L×N → Lr·N) + ``2·N·Lr·K/I`` + dequantize(N×K)
@@ -93,7 +97,7 @@ def grad_weight_cost(
     lr = lowpass_rows(l, rank)
     hot = (
         quantize_time(l, n, lr * n, elem_bytes, profile)
-        + int_matmul_time(n, lr, k, elem_bytes, profile)
+        + int_matmul_time(n, lr, k, elem_bytes, profile, bits)
         + quantize_time(l, k, lr * k, elem_bytes, profile)
     )
     return SiteCost(

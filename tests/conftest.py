@@ -23,7 +23,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.fixture(params=[True, False], ids=["int_mm", "float_carrier"])
+@pytest.fixture(params=["int_mm", "u8s8", "float"])
 def int8_path(request, monkeypatch):
     """Runs a test with each form of the integer product (``ops.int8_matmul``)."""
     pin_int8_path(monkeypatch, request.param)
@@ -33,4 +33,4 @@ def int8_path(request, monkeypatch):
 @pytest.fixture
 def native_int8(monkeypatch):
     """``torch._int_mm`` as the integer product, for tests that look for it in generated code."""
-    pin_int8_path(monkeypatch, True)
+    pin_int8_path(monkeypatch, "int_mm")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
@@ -58,9 +59,11 @@ def aot_compile(model, config: HotConfig | None = None, pass_cls=HotJointPass, *
     return torch.compile(model, backend=backend, **compile_kwargs), graphs
 
 
-def pin_int8_path(monkeypatch, native: bool) -> None:
-    """Make ``ops.int8_matmul`` emit ``torch._int_mm`` (``native``) or the exact float GEMM used on CPUs
-    without VNNI/AMX, whatever this CPU has."""
+def pin_int8_path(monkeypatch, kind: str) -> None:
+    """Make ``ops.int8_matmul`` take the integer GEMM ``kind`` (:func:`hot_compile.ops.int8_gemm_kind`:
+    ``"int_mm"``, ``"u8s8"`` or ``"float"``) whatever this CPU has."""
     from hot_compile import ops
 
-    monkeypatch.setattr(ops, "native_int8_matmul", lambda device: native)
+    if kind == "u8s8" and not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN's uint8 × int8 linear needs a torch build with oneDNN")
+    monkeypatch.setattr(ops, "int8_gemm_kind", lambda device: kind)

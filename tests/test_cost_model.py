@@ -16,12 +16,12 @@ CPU = devices.BUILTIN_PROFILES["cpu-sapphire-rapids-2core"]
 H100 = devices.BUILTIN_PROFILES["gpu-h100"]
 
 
-def _gx(l, n, k, profile=CPU, dtype=torch.float32):
-    return cost_model.grad_input_cost(l, n, k, dtype.itemsize, profile.matmul_rate(dtype), profile)
+def _gx(l, n, k, profile=CPU, dtype=torch.float32, bits=4):
+    return cost_model.grad_input_cost(l, n, k, dtype.itemsize, profile.matmul_rate(dtype), profile, bits)
 
 
-def _gw(l, n, k, profile=CPU, rank=8, dtype=torch.float32):
-    return cost_model.grad_weight_cost(l, n, k, rank, dtype.itemsize, profile.matmul_rate(dtype), profile)
+def _gw(l, n, k, profile=CPU, rank=8, dtype=torch.float32, bits=8):
+    return cost_model.grad_weight_cost(l, n, k, rank, dtype.itemsize, profile.matmul_rate(dtype), profile, bits)
 
 
 @pytest.mark.parametrize("profile", devices.BUILTIN_PROFILES.values(), ids=lambda p: p.name)
@@ -131,3 +131,12 @@ def test_calibrate_device_cli(monkeypatch, tmp_path, capsys):
     assert profile is not None and profile.int8_ops > 0
     assert devices.resolve_profile(torch.device("cpu")) == profile
     assert "saved to" in capsys.readouterr().out
+
+
+def test_narrow_operands_are_priced_at_their_own_rate_where_a_profile_has_one():
+    """On x86 CPUs without VNNI, INT4..INT7 products run on oneDNN's uint8 × int8 GEMM and INT8 ones
+    on a float GEMM: the profile's two rates, by bit width."""
+    avx2 = devices.BUILTIN_PROFILES["cpu-avx2-2core"]
+    assert [avx2.int8_rate(bits) for bits in (4, 7, 8)] == [avx2.narrow_int8_ops] * 2 + [avx2.int8_ops]
+    assert _gx(6272, 768, 3072, avx2, bits=4).hot_s < _gx(6272, 768, 3072, avx2, bits=8).hot_s
+    assert CPU.narrow_int8_ops is None and CPU.int8_rate(4) == CPU.int8_rate(8) == CPU.int8_ops

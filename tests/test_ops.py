@@ -209,7 +209,7 @@ def test_int8_matmul_is_exact_on_either_path(int8_path, k):
 
 
 def test_long_int8_contraction_runs_in_equal_pieces(monkeypatch):
-    pin_int8_path(monkeypatch, False)
+    pin_int8_path(monkeypatch, "float")
     k = 2 * ops.exact_float32_length() + 2  # three pieces of k/3, not of the longest exact length
     a = torch.randint(-128, 128, (5, k), dtype=torch.int8)
     b = torch.randint(-128, 128, (k, 4), dtype=torch.int8)
@@ -220,13 +220,32 @@ def test_long_int8_contraction_runs_in_equal_pieces(monkeypatch):
     assert torch.equal(out, (a.long() @ b.long()).to(torch.int32))
 
 
-def test_int8_matmul_of_int4_values_is_exact_in_one_float32_piece(int8_path):
+def test_int8_matmul_of_int4_values_is_exact_in_one_product(int8_path):
     k = 20000  # 20000 · 7 · 7 < 2**24: one float32 product, no pieces
     a = torch.full((3, k), -7, dtype=torch.int8)
     b = torch.randint(-7, 8, (k, 5), dtype=torch.int8)
     b[:, 0] = -7
-    out = ops.int8_matmul(a, b, max_product=49)
+    with _RecordCalls(torch.ops.hot_compile.u8s8_linear.default) as rec:
+        out = ops.int8_matmul(a, b, 7, 7)
     assert torch.equal(out, (a.long() @ b.long()).to(torch.int32)) and out[0, 0] == 49 * k
+    assert len(rec.calls) == (int8_path == "u8s8")
+
+
+def test_u8s8_product_is_exact_up_to_its_int16_bound(monkeypatch):
+    """oneDNN's uint8 × int8 GEMM without VNNI adds adjacent products in saturating int16: with ``a``
+    shifted by 127 to 254 and ``b`` at ±64, a pair sums to ±32512, within int16; at ±65 it would not."""
+    pin_int8_path(monkeypatch, "u8s8")
+    assert ops.u8s8_exact(127, 64) and not ops.u8s8_exact(127, 65) and not ops.u8s8_exact(127, 127)
+    k = 1000
+    a = torch.randint(-127, 128, (40, k), dtype=torch.int8)
+    b = torch.randint(-64, 65, (k, 30), dtype=torch.int8)
+    a[0], b[:, 0], b[:, 1] = 127, 64, -64  # every pair sum of out[0, :2] at ±2·254·64
+    with _RecordCalls(torch.ops.hot_compile.u8s8_linear.default) as rec:
+        out = ops.int8_matmul(a, b, 127, 64)
+    assert len(rec.calls) == 1 and torch.equal(out, (a.long() @ b.long()).to(torch.int32))
+    with _RecordCalls(torch.ops.hot_compile.u8s8_linear.default) as rec:
+        ops.int8_matmul(a, b, 127, 127)
+    assert not rec.calls  # two INT8 operands take the float GEMM
 
 
 def test_int8_matmul_rejects_float():

@@ -240,14 +240,15 @@ def test_pass_failure_raises_when_strict():
         compiled(torch.randn(4, 50, 32)).sum().backward()
 
 
-def test_float_carrier_product_gives_the_same_gradients_as_int_mm(monkeypatch):
-    """On CPUs without VNNI/AMX the integer products run as exact float GEMMs: same integers, so the
-    same gradients bit for bit."""
+def test_every_integer_gemm_gives_the_same_gradients(monkeypatch):
+    """Where ``torch._int_mm`` has no hardware the integer products run on oneDNN's uint8 × int8 GEMM
+    or as exact float GEMMs: same integers, so the same gradients bit for bit."""
     grads = {}
-    for native in (True, False):
-        pin_int8_path(monkeypatch, native)
+    for kind in ("int_mm", "u8s8", "float"):
+        pin_int8_path(monkeypatch, kind)
         torch.manual_seed(0)
         model, x = MLP(), torch.randn(4, 50, 32, requires_grad=True)
         _run(model, x)
-        grads[native] = [x.grad, *(p.grad for p in model.parameters())]
-    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+        grads[kind] = [x.grad, *(p.grad for p in model.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(grads["int_mm"], grads["u8s8"]))
+    assert all(torch.equal(a, b) for a, b in zip(grads["int_mm"], grads["float"]))

@@ -21,7 +21,7 @@ import time
 import torch
 
 import hot_compile
-from hot_compile import devices
+from hot_compile import HotConfig, devices
 from hot_compile.passes.cost_model import grad_input_cost, grad_weight_cost
 
 TOKENS = (64, 512, 2048, 6272)
@@ -29,10 +29,12 @@ FEATURES = ((64, 64), (256, 256), (384, 1536), (768, 768), (768, 3072), (3072, 7
 
 
 def predict(l: int, k: int, n: int, profile: devices.DeviceProfile, rank: int = 8) -> tuple[float, float]:
-    """Estimated seconds (original, HOT) of one linear layer's grad_input + grad_weight, fp32."""
+    """Estimated seconds (original, HOT) of one linear layer's grad_input + grad_weight, fp32, at the
+    default bit widths."""
     flops = profile.matmul_rate(torch.float32)
-    gx = grad_input_cost(l, n, k, 4, flops, profile)
-    gw = grad_weight_cost(l, n, k, rank, 4, flops, profile)
+    config = HotConfig()
+    gx = grad_input_cost(l, n, k, 4, flops, profile, config.gx_bits)
+    gw = grad_weight_cost(l, n, k, rank, 4, flops, profile, config.gw_bits)
     return gx.original_s + gw.original_s, gx.hot_s + gw.hot_s
 
 
