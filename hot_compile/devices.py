@@ -19,6 +19,9 @@ from typing import Callable
 
 import torch
 
+from .ops import int8_gemm_kind, int8_matmul, u8s8_exact, u8s8_linear
+from .quant import qmax
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -65,9 +68,6 @@ class DeviceProfile:
 
     def int8_rate(self, bits: int) -> float:
         """OP/s of the integer product of two ``bits``-bit operands."""
-        from .ops import u8s8_exact
-        from .quant import qmax
-
         if self.narrow_int8_ops is not None and u8s8_exact(qmax(bits), qmax(bits)):
             return self.narrow_int8_ops
         return self.int8_ops
@@ -244,8 +244,6 @@ def calibrate(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
     bandwidths, the per-call overhead, and the transform + quantize rate fitted to the compiled HQ op
     (see :func:`_fitted_transform_rate`)."""
-    from .ops import int8_gemm_kind, int8_matmul, u8s8_linear
-
     flops = {}
     for dtype in _DTYPES:
         a = torch.randn(size, size).to(getattr(torch, dtype))

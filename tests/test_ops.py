@@ -283,6 +283,9 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(kernels.compress_activation, (x, 8, 8))
     torch.library.opcheck(kernels.hq_grad_input, (g, w, SEED, 4, 4, False, True, True))
     torch.library.opcheck(kernels.hla_grad_weight, (g, xq, xs, SEED, 8, 8, torch.float32))
+    if torch.backends.mkldnn.is_available():
+        a = torch.randint(0, 15, (L, K), dtype=torch.uint8)
+        torch.library.opcheck(ops.u8s8_linear, (a, 7, torch.randint(-7, 8, (N, K), dtype=torch.int8)))
 
 
 def test_one_kernel_serves_every_shape():
