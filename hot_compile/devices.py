@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .ops import int8_gemm_kind, int8_matmul, u8s8_exact, u8s8_linear
+from .ops import int8_gemm_kind, int8_matmul, u8s8_exact, u8s8_linear, u8s8_operand
 from .quant import qmax
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -254,8 +254,8 @@ def calibrate(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     if int8_gemm_kind(torch.device("cpu")) == "u8s8":
         # The GEMM alone: a compiled op's quantizer writes the shifted uint8 operand itself.
         q4 = torch.randint(-7, 8, (size, size), dtype=torch.int8)
-        shifted, weight = (q4.to(torch.int32) + 7).to(torch.uint8), q4.t().contiguous()
-        narrow_int8_ops = 2 * size**3 / _median_seconds(lambda: u8s8_linear(shifted, 7, weight), repeats)
+        (shifted, zero_point), weight = u8s8_operand(q4, 7), q4.t().contiguous()
+        narrow_int8_ops = 2 * size**3 / _median_seconds(lambda: u8s8_linear(shifted, zero_point, weight), repeats)
 
     big = torch.randn(4096, 4096)
     read_bw = big.numel() * 4 / _median_seconds(lambda: big.sum(), repeats)

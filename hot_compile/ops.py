@@ -75,6 +75,15 @@ def u8s8_exact(a_max: int, b_max: int) -> bool:
     return 2 * min(2 * a_max, 255) * b_max <= INT16_MAX
 
 
+def u8s8_operand(a: torch.Tensor, a_max: int) -> tuple[torch.Tensor, int]:
+    """int8 ``a`` with ``|a| ≤ a_max`` as :func:`u8s8_linear` takes it: ``(a + zero_point)`` in uint8,
+    and the zero point."""
+    zero_point = min(a_max, INT8_MAX)
+    # Through int32: Inductor's C++ backend vectorizes int32 → uint8 and left the int16 form to
+    # scalar code (HQ at [6272, 3072] took 284 ms instead of 191).
+    return (a.to(torch.int32) + zero_point).to(torch.uint8), zero_point
+
+
 @torch.library.custom_op("hot_compile::u8s8_linear", mutates_args=())
 def u8s8_linear(a: torch.Tensor, zero_point: int, weight: torch.Tensor) -> torch.Tensor:
     """``(a − zero_point) @ weightᵀ`` for uint8 ``a: [M, K]`` and int8 ``weight: [N, K]``, as float32, by
@@ -135,10 +144,7 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor, a_max: int = INT8_MAX, b_max: 
     # Under the shape-generic compile of hot_compile.kernels the length tests are guards: one kernel
     # per side.
     if kind == "u8s8" and u8s8_exact(a_max, b_max) and k <= longest:
-        zero_point = min(a_max, INT8_MAX)
-        # Through int32: Inductor's C++ backend vectorizes int32 → uint8 and left the int16 form to
-        # scalar code (HQ at [6272, 3072] took 284 ms instead of 191).
-        shifted = (a.to(torch.int32) + zero_point).to(torch.uint8)
+        shifted, zero_point = u8s8_operand(a, a_max)
         return u8s8_linear(shifted, zero_point, b.t().contiguous()).to(torch.int32)
     if k <= longest:
         return torch.mm(a.float(), b.float()).to(torch.int32)
