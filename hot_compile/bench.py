@@ -378,6 +378,17 @@ def reference_grads(case: Case) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------------------------- run
 
 
+# Environment variables that change how the process allocates memory. On CPUs, a tensor larger than
+# glibc's mmap threshold (32 MiB at most) is mapped fresh and faults on every page at its first write;
+# the tunables that keep freed memory in the heap change a step's time, so a run records them.
+ALLOCATOR_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def allocator_env() -> dict[str, str]:
+    """The allocator settings of this process's environment (:data:`ALLOCATOR_ENV` that are set)."""
+    return {name: os.environ[name] for name in ALLOCATOR_ENV if os.environ.get(name)}
+
+
 def machine_info() -> dict[str, Any]:
     model, flags = platform.processor() or platform.machine(), set()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
@@ -394,6 +405,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
+        "allocator_env": allocator_env(),
     }
 
 
@@ -536,7 +548,9 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
     m = result["machine"]
     lines = [
         f"Machine: {m['cpu']} ({m['cores']} cores; {', '.join(m['isa']) or 'no AVX-512'}), torch {m['torch']}, "
-        f"{m['threads']} threads."
+        f"{m['threads']} threads; allocator: "
+        + (" ".join(f"`{k}={v}`" for k, v in m.get("allocator_env", {}).items()) or "glibc malloc defaults")
+        + "."
     ]
     runs = result.get("runs") or [{**result, "command": command or result.get("command")}]
     lines += ["", *(f"- {_run_line(run)}" for run in runs)]
@@ -694,9 +708,10 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
 
 
 def command_line(args: argparse.Namespace, prog: str) -> str:
-    """The command that reproduces ``args``: ``prog`` and every setting that differs from the default."""
+    """The command that reproduces ``args``: the environment's allocator settings, ``prog``, and every
+    setting that differs from the default."""
     spec, defaults = spec_from_args(args), BenchSpec()
-    parts = [*shlex.split(prog)]
+    parts = [f"{name}={value}" for name, value in allocator_env().items()] + shlex.split(prog)
     for field in dataclasses.fields(BenchSpec):
         value = getattr(spec, field.name)
         if value == getattr(defaults, field.name):

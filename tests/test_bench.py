@@ -4,6 +4,7 @@ No timing is asserted; only the structure of the results and the bytes saved for
 deterministic.
 """
 
+import argparse
 import json
 import math
 
@@ -110,6 +111,24 @@ def _recorded(model: str, date: str) -> dict:
         "machine": bench.machine_info(), "spec": vars(bench.BenchSpec()) | {"models": [model]},
         "cases": [{"model": model, "description": model, "rows": [row]}], "skipped": {},
     }  # fmt: skip
+
+
+def test_a_run_records_the_allocator_settings_of_its_environment(monkeypatch, tmp_path):
+    for name in bench.ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert bench.machine_info()["allocator_env"] == {}
+    assert "allocator: glibc malloc defaults." in bench.markdown(_recorded("mlp", "2026-01-01"))
+
+    tunables = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
+    monkeypatch.setenv("GLIBC_TUNABLES", tunables)
+    recorded = _recorded("mlp", "2026-01-01")
+    assert recorded["machine"]["allocator_env"] == {"GLIBC_TUNABLES": tunables}
+    assert f"allocator: `GLIBC_TUNABLES={tunables}`." in bench.markdown(recorded)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    # The recorded command reproduces the run, environment included.
+    command = bench.command_line(parser.parse_args(["--out", str(tmp_path)]), "python tools/bench.py")
+    assert command.startswith(f"GLIBC_TUNABLES={tunables} python tools/bench.py --out ")
 
 
 def test_from_json_renders_several_runs_into_one_section(tmp_path):
