@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from . import kernels
 from .config import POLICIES
+from .devices import median_seconds
 from .memory import saved_for_backward_bytes
 
 SECTION_TITLE = "Speed and memory"
@@ -409,6 +410,14 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def matmul_gflops(size: int = 1024, repeats: int = 5) -> float:
+    """float32 GFLOP/s of one ``[size, size] @ [size, size]`` matmul, median of ``repeats``: how fast
+    this machine runs right now. A shared VM's speed drifts between runs by tens of percent; the
+    ratios within one run, its variants interleaved, do not."""
+    a = torch.randn(size, size)
+    return 2 * size**3 / median_seconds(lambda: a @ a, repeats) / 1e9
+
+
 def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3 if values else math.nan
 
@@ -503,6 +512,7 @@ def run(spec: BenchSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
         torch.set_num_threads(spec.threads)
     started = datetime.datetime.now(datetime.timezone.utc)
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    gflops_before = matmul_gflops()
     result: dict[str, Any] = {
         "date": started.isoformat(timespec="seconds"),
         "machine": machine_info(),
@@ -520,6 +530,7 @@ def run(spec: BenchSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
         log(f"{name}: {case.description}")
         result["cases"].append({"model": name, "description": case.description, "rows": run_case(case, spec, log)})
     result["load_average"] = {"start": load_before, "end": os.getloadavg() if load_before else None}
+    result["matmul_gflops"] = {"start": gflops_before, "end": matmul_gflops()}
     return result
 
 
@@ -541,6 +552,9 @@ def _run_line(run: dict[str, Any]) -> str:
     line = f"Run {run['date']}"
     if load.get("start"):
         line += f", load average (1 min) {load['start'][0]:.1f} at the start and {load['end'][0]:.1f} at the end"
+    gflops = run.get("matmul_gflops")
+    if gflops:
+        line += f", a float32 1024³ matmul at {gflops['start']:.0f} GFLOP/s at the start and {gflops['end']:.0f} at the end"
     return line + (f": `{run['command']}`" if run.get("command") else "")
 
 
@@ -602,7 +616,7 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
         merged["cases"] += result["cases"]
         merged["skipped"].update(result.get("skipped", {}))
         merged["runs"] += result.get("runs") or [
-            {k: result.get(k) for k in ("date", "command", "load_average", "spec")}
+            {k: result.get(k) for k in ("date", "command", "load_average", "matmul_gflops", "spec")}
         ]
     return merged
 

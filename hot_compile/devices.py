@@ -212,7 +212,8 @@ def resolve_profile(device: torch.device, name: str = "auto") -> DeviceProfile:
     return BUILTIN_PROFILES["cpu-generic"]
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn``, after one call that is not timed."""
     fn()
     samples = []
     for _ in range(repeats):
@@ -231,7 +232,7 @@ def _fitted_transform_rate(profile: DeviceProfile, repeats: int, l: int = 2048, 
     from .passes.cost_model import grad_input_cost
 
     g, w, seed = torch.randn(l, n), torch.randn(n, k), torch.tensor(0)
-    measured = _median_seconds(lambda: hq_grad_input(g, w, seed, 4, 4, False, True, False), repeats)
+    measured = median_seconds(lambda: hq_grad_input(g, w, seed, 4, 4, False, True, False), repeats)
     padded = padded_length(n)
     outputs = l * padded + padded * k
     flops = profile.matmul_rate(torch.float32)
@@ -247,24 +248,24 @@ def calibrate(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     flops = {}
     for dtype in _DTYPES:
         a = torch.randn(size, size).to(getattr(torch, dtype))
-        flops[dtype] = 2 * size**3 / _median_seconds(lambda a=a: a @ a, repeats)
+        flops[dtype] = 2 * size**3 / median_seconds(lambda a=a: a @ a, repeats)
     q8 = torch.randint(-127, 128, (size, size), dtype=torch.int8)
-    int8_ops = 2 * size**3 / _median_seconds(lambda: int8_matmul(q8, q8, 127, 127), repeats)
+    int8_ops = 2 * size**3 / median_seconds(lambda: int8_matmul(q8, q8, 127, 127), repeats)
     narrow_int8_ops = None
     if int8_gemm_kind(torch.device("cpu")) == "u8s8":
         # The GEMM alone: a compiled op's quantizer writes the shifted uint8 operand itself.
         q4 = torch.randint(-7, 8, (size, size), dtype=torch.int8)
         (shifted, zero_point), weight = u8s8_operand(q4, 7), q4.t().contiguous()
-        narrow_int8_ops = 2 * size**3 / _median_seconds(lambda: u8s8_linear(shifted, zero_point, weight), repeats)
+        narrow_int8_ops = 2 * size**3 / median_seconds(lambda: u8s8_linear(shifted, zero_point, weight), repeats)
 
     big = torch.randn(4096, 4096)
-    read_bw = big.numel() * 4 / _median_seconds(lambda: big.sum(), repeats)
+    read_bw = big.numel() * 4 / median_seconds(lambda: big.sum(), repeats)
     # A fresh activation-sized (16 MiB) output: a 64 MiB one always comes from mmap and faults on
     # every page, which the buffers of a compiled step mostly do not.
     act = torch.randn(2048, 2048)
-    write_bw = act.numel() * 4 / _median_seconds(lambda: torch.empty_like(act).fill_(1.0), repeats)
+    write_bw = act.numel() * 4 / median_seconds(lambda: torch.empty_like(act).fill_(1.0), repeats)
     tiny = torch.randn(4, 4)
-    kernel_overhead = _median_seconds(lambda: tiny.add(1), 50)
+    kernel_overhead = median_seconds(lambda: tiny.add(1), 50)
     measured = DeviceProfile(
         name=f"calibrated:{_cpu_identity().split('|')[0]}",
         matmul_flops=flops,

@@ -28,6 +28,8 @@ def test_cli_runs_mlp_and_vit_and_writes_table_json_chart(tmp_path):
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert [c["model"] for c in result["cases"]] == ["mlp", "vit"]
     assert result["machine"]["torch"] and result["command"].startswith("hot-compile bench --models mlp,vit")
+    # The machine's own speed at the start and the end, for comparing runs made at different times.
+    assert all(result["matmul_gflops"][k] > 0 for k in ("start", "end"))
     for case in result["cases"]:
         rows = {r["variant"]: r for r in case["rows"]}
         assert set(rows) == {"inductor-fp32", "hot-fp32"}
@@ -43,6 +45,7 @@ def test_cli_runs_mlp_and_vit_and_writes_table_json_chart(tmp_path):
 
     table = (tmp_path / "out" / "bench.md").read_text()
     assert "| inductor-fp32 |" in table and "| hot-fp32 |" in table
+    assert "matmul at" in table and "GFLOP/s at the start" in table
     text = md.read_text()
     assert "## Training fidelity\n\nkept as it is\n" in text and "## Speed and memory" in text
     assert "| hot-fp32 |" in text
