@@ -410,7 +410,11 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def matmul_gflops(size: int = 1024, repeats: int = 5) -> float:
+# The side of the square float32 matmul that measures the machine's speed at each end of a run.
+PROBE_SIZE = 1024
+
+
+def matmul_gflops(size: int = PROBE_SIZE, repeats: int = 5) -> float:
     """float32 GFLOP/s of one ``[size, size] @ [size, size]`` matmul, median of ``repeats``: how fast
     this machine runs right now. A shared VM's speed drifts between runs by tens of percent; the
     ratios within one run, its variants interleaved, do not."""
@@ -554,7 +558,7 @@ def _run_line(run: dict[str, Any]) -> str:
         line += f", load average (1 min) {load['start'][0]:.1f} at the start and {load['end'][0]:.1f} at the end"
     gflops = run.get("matmul_gflops")
     if gflops:
-        line += f", a float32 1024³ matmul at {gflops['start']:.0f} GFLOP/s at the start and {gflops['end']:.0f} at the end"
+        line += f", a float32 {PROBE_SIZE}³ matmul at {gflops['start']:.0f} GFLOP/s at the start and {gflops['end']:.0f} at the end"
     return line + (f": `{run['command']}`" if run.get("command") else "")
 
 

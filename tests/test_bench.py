@@ -16,6 +16,13 @@ from hot_compile import bench, cli
 FIGURES = ("fwd_bwd_ms", "bwd_ms", "saved_bytes", "compile_s", "kernel_build_s", "model_compile_s", "grad_rel_err")
 
 
+@pytest.fixture(autouse=True)
+def _no_allocator_settings(monkeypatch):
+    # A run records the allocator settings of its environment; the tests' runs start without any.
+    for name in bench.ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
 def _tiny(tmp_path, *extra):
     return ["bench", "--tiny", "--warm-cache", "--out", str(tmp_path / "out"), *extra]
 
@@ -117,8 +124,6 @@ def _recorded(model: str, date: str) -> dict:
 
 
 def test_a_run_records_the_allocator_settings_of_its_environment(monkeypatch, tmp_path):
-    for name in bench.ALLOCATOR_ENV:
-        monkeypatch.delenv(name, raising=False)
     assert bench.machine_info()["allocator_env"] == {}
     assert "allocator: glibc malloc defaults." in bench.markdown(_recorded("mlp", "2026-01-01"))
 
