@@ -19,9 +19,11 @@ import torch
 MIN_BITS = 2
 MAX_BITS = 8
 
-# Odd multipliers below 2**31 (positive as int32).
+# Odd multipliers of 32-bit words.
 _MIX_A = 0x7FEB352D
 _MIX_B = 0x2C1B3C6D
+# Not −_SEED_MULT (the golden ratio, 0x9E3779B9): the next seed would then shift the stream by one element.
+_INDEX_MULT = 0x85EBCA6B
 _SEED_MULT = 0x61C88647
 _SALT_MULT = 0x3C6EF372
 
@@ -65,16 +67,23 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
 def hash_uniform(like: torch.Tensor, seed: torch.Tensor, salt: int = 0) -> torch.Tensor:
     """Float32 noise in ``[0, 1)`` of ``like``'s shape, a pure function of (element index, seed, salt).
 
-    ``u = mix32(mix32(index + seed·A + salt·B)) >> 8 · 2⁻²⁴`` where ``mix32`` is a xor-shift/multiply
+    ``u = mix32(index·P + seed·A + salt·B) >> 8 · 2⁻²⁴`` where ``mix32`` is a xor-shift/multiply
     finalizer on 32-bit words. ``seed`` is an integer scalar tensor; ``salt`` separates the noise of
     different quantizers that share a seed.
+
+    One round of ``mix32`` on consecutive words leaves the noise of elements a row of a wide layer
+    apart visibly dependent (pairs 3072 apart: χ² up to 48178 on 1023 degrees of freedom, against
+    about 1023 for independent noise); the odd ``P`` spreads the indices so that no such pair of
+    words is close. A second round of ``mix32`` does the same with eleven operations instead of one,
+    and doubles the time Inductor takes to compile a stochastic quantizer (HQ's alone: 4.5–5.9 s against
+    2.3–2.7 s; the whole HQ op: 8.0 s against 7.2 s, medians of six cold builds).
 
     The words are computed in int32 lanes (wrapping arithmetic, logical shifts by masking), twice as
     many per vector register as int64, for the same values as the 32-bit formula.
     """
     index = torch.arange(like.numel(), device=like.device, dtype=torch.int64).to(torch.int32).view(like.shape)
     offset = seed.to(torch.int64).to(torch.int32) * _SEED_MULT + _int32(salt * _SALT_MULT)
-    h = _mix32(_mix32(index + offset))
+    h = _mix32(index * _int32(_INDEX_MULT) + offset)
     return _shr32(h, 8).to(torch.float32) * (1.0 / (1 << 24))
 
 

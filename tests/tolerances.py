@@ -30,6 +30,9 @@ UNBIASED_DRAWS = 256
 UNBIASED_MEAN = 0.03
 SR_DRAWS = 1024
 SR_MEAN = 0.012
+# Independence of two streams of hash noise: χ² of their joint 32 × 32 histogram (1023 degrees of
+# freedom; p ≈ 5e-7 per test, so a dozen tests stay far from a false alarm).
+PAIR_CHI2_1023_DOF = 1260
 
 # Reduced-precision inputs: bf16/fp16 grad_output adds its own rounding on top of the INT4 error.
 HQ_HALF_PRECISION = 0.45
