@@ -426,7 +426,7 @@ def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3 if values else math.nan
 
 
-def _initialize_compiler() -> None:
+def initialize_compiler() -> None:
     """One throwaway compile, so that no variant's compile time includes the process's one-time set-up
     (imports, C++ toolchain probing) just because it ran first."""
     from torch._inductor.utils import fresh_cache
@@ -524,7 +524,7 @@ def run(spec: BenchSpec, log: Callable[[str], None] = print) -> dict[str, Any]:
         "cases": [],
         "skipped": {},
     }
-    _initialize_compiler()
+    initialize_compiler()
     for name in spec.models:
         case = build_case(name, spec)
         if isinstance(case, str):
