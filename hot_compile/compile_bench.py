@@ -31,7 +31,6 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-
 from torch._dynamo.utils import counters
 
 from . import bench
@@ -40,11 +39,10 @@ SECTION_TITLE = "Compile time across processes"
 # The primer is an MLP block at bench's default width with 16 × 196 tokens: float32 like the models,
 # and long enough that HLA's contraction (half the tokens at rank 8) runs in pieces, as the models'
 # does. A primer taking other code paths would leave kernels to build, which the figures would show
-# as a long "HOT kernels" time in the kernels-cached process.
+# as a long "HOT kernels" time, and graphs compiled rather than found, after the primer.
 PRIMER = "mlp"
 PRIMER_BATCH = 16
 MODELS = ("vit", "minilm", "mlp")
-VARIANTS = ("inductor-fp32", "hot-fp32")
 
 
 @dataclasses.dataclass(frozen=True)
