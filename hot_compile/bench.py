@@ -562,14 +562,18 @@ def _run_line(run: dict[str, Any]) -> str:
     return line + (f": `{run['command']}`" if run.get("command") else "")
 
 
-def markdown(result: dict[str, Any], command: str | None = None) -> str:
-    m = result["machine"]
-    lines = [
+def machine_line(m: dict[str, Any]) -> str:
+    """The Markdown line that names the machine of :func:`machine_info` ``m``."""
+    return (
         f"Machine: {m['cpu']} ({m['cores']} cores; {', '.join(m['isa']) or 'no AVX-512'}), torch {m['torch']}, "
         f"{m['threads']} threads; allocator: "
         + (" ".join(f"`{k}={v}`" for k, v in m.get("allocator_env", {}).items()) or "glibc malloc defaults")
         + "."
-    ]
+    )
+
+
+def markdown(result: dict[str, Any], command: str | None = None) -> str:
+    lines = [machine_line(result["machine"])]
     runs = result.get("runs") or [{**result, "command": command or result.get("command")}]
     lines += ["", *(f"- {_run_line(run)}" for run in runs)]
     spec = result["spec"]

@@ -31,6 +31,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
+import torch
 from torch._dynamo.utils import counters
 
 from . import bench
@@ -124,6 +125,9 @@ def _in_new_cache(run_child: ChildRunner, variant: str, model: str, primer: bool
 
 def run(spec: CompileBenchSpec, run_child: ChildRunner | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     run_child = run_child or child_process(spec)
+    if spec.threads:
+        # Recorded by machine_info as the children's thread count.
+        torch.set_num_threads(spec.threads)
     started = datetime.datetime.now(datetime.timezone.utc)
     repeats = []
     for i in range(spec.repeats):
@@ -156,10 +160,8 @@ def _cache_use(figures: dict[str, Any]) -> str:
 
 
 def markdown(result: dict[str, Any], command: str | None = None) -> str:
-    m = result["machine"]
     lines = [
-        f"Machine: {m['cpu']} ({m['cores']} cores; {', '.join(m['isa']) or 'no listed ISA extensions'}), "
-        f"torch {m['torch']}. Run {result['date']}" + (f": `{command}`" if command else "") + ".",
+        bench.machine_line(result["machine"]) + f" Run {result['date']}" + (f": `{command}`" if command else "") + ".",
         "",
         f"Model: {result['spec']['model']} (bench.py's sizes); hot: `policy={result['spec']['hot_policy']!r}`. "
         f"Primer: {result['primer']['model']}, batch {result['primer']['batch']}, under the same backend "
