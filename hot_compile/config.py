@@ -12,11 +12,26 @@ from .quant import MAX_BITS, MIN_BITS
 POLICIES = ("balanced", "hot", "speed", "memory", "off")
 # Keys a per-module override may set.
 OVERRIDABLE = (
-    "policy", "gx_bits", "gw_bits", "rank", "gx_quantizer", "weight_quantizer", "rewrite_gx", "rewrite_gw",
-    "hadamard", "max_slowdown",
+    "policy", "gx_bits", "gw_bits", "rank", "gx_quantizer", "weight_quantizer", "gw_quantizer", "rewrite_gx",
+    "rewrite_gw", "hadamard", "max_slowdown", "exact_loss_head",
 )  # fmt: skip
-GX_QUANTIZERS = ("per_tensor", "per_token")
-WEIGHT_QUANTIZERS = ("sawb", "stochastic")
+GX_QUANTIZERS = ("per_token", "per_tensor")
+WEIGHT_QUANTIZERS = ("per_channel", "stochastic", "sawb")
+GW_QUANTIZERS = ("per_channel", "per_tensor")
+# gx_bits="auto": the widest bit width the device's integer GEMM runs at its narrow operands' rate.
+AUTO = "auto"
+
+# The paper's recipe (Kim et al., CVPR 2025; the official code's defaults) on every linear:
+# ``torch.compile(m, backend="hot", options={"policy": "hot", **PAPER_RECIPE})``. It stalls a byte-level
+# language model (rank 8) and loses accuracy on small models (per-tensor INT4 with SAWB); BENCHMARKS.md.
+PAPER_RECIPE = {
+    "gx_bits": 4,
+    "gx_quantizer": "per_tensor",
+    "weight_quantizer": "sawb",
+    "gw_quantizer": "per_tensor",
+    "rank": 8,
+    "exact_loss_head": False,
+}
 
 
 def _fail(key: str, value: Any, accepted: str) -> None:
@@ -52,13 +67,25 @@ class HotConfig:
             ``OVERRIDABLE``; every glob matching a module path applies, later entries winning.
         device_profile: cost-model profile: ``"auto"`` (the calibrated one of this machine, else the
             built-in one matching the device), ``"calibrated"``, or a built-in profile name.
-        gx_bits: bit width of both operands of the grad_input product (HQ), 2..8.
+        gx_bits: bit width of both operands of the grad_input product (HQ), 2..8, or ``"auto"``: the
+            widest width whose integer GEMM runs at the rate of the narrowest on the site's device
+            (8 where int8 is the narrowest hardware type: GPUs, CPUs with VNNI or AMX; 7 on x86 CPUs
+            with only AVX2, whose exact uint8 × int8 GEMM takes at most 7-bit operands).
         gw_bits: bit width of both operands of the grad_weight product (HLA), 2..8.
-        rank: rows kept of each 16-token Walsh block for HLA/ABC, 1..16 (16 = no low-rank error).
-        gx_quantizer: scale granularity of the grad_input gradient: ``"per_tensor"`` or ``"per_token"``.
-        weight_quantizer: how HQ quantizes the transformed weight: ``"sawb"`` (the paper's SAWB clip,
-            round-to-nearest: a fixed bias, since the clip cuts the tails at any bit width) or
-            ``"stochastic"`` (max scale, stochastic rounding: unbiased, a little more variance).
+        rank: rows kept of each 16-token Walsh block for HLA/ABC, 1..16 (16 = no low-rank error, the
+            default: rank 8 is only right where neighbouring tokens are alike, which
+            :func:`hot_compile.calibrate` measures per layer into ``plan``).
+        gx_quantizer: scales of the grad_input gradient: ``"per_token"`` (one per row, free in the
+            integer GEMM's epilogue) or ``"per_tensor"`` (the paper's).
+        weight_quantizer: how HQ quantizes the transformed weight: ``"per_channel"`` (stochastic
+            rounding, one max scale per input feature: unbiased), ``"stochastic"`` (the same with one
+            scale), or ``"sawb"`` (the paper's SAWB clip, round-to-nearest: a fixed bias, since the clip
+            cuts the tails at any bit width).
+        gw_quantizer: scales of both HLA operands: ``"per_channel"`` (one per output feature of the
+            gradient, one per input feature of the activation) or ``"per_tensor"`` (the paper's).
+        exact_loss_head: leave the backward of a linear whose output feeds a softmax cross-entropy (an
+            LM head, a classifier; found in the graph) to Inductor: its gradient, softmax minus
+            one-hot, is a few spikes per row, and every layer below inherits its error.
         include: module-path globs to consider (``fnmatch`` against paths like ``blocks.0.mlp.fc1``).
         exclude: module-path globs to leave alone; wins over ``include``.
         rewrite_gx: rewrite grad_input products (HQ); off leaves them to Inductor.
@@ -75,11 +102,13 @@ class HotConfig:
     max_slowdown: float = 0.25
     overrides: tuple = ()
     device_profile: str = "auto"
-    gx_bits: int = 4
+    gx_bits: int | str = AUTO
     gw_bits: int = 8
-    rank: int = 8
-    gx_quantizer: str = "per_tensor"
-    weight_quantizer: str = "sawb"
+    rank: int = 16
+    gx_quantizer: str = "per_token"
+    weight_quantizer: str = "per_channel"
+    gw_quantizer: str = "per_channel"
+    exact_loss_head: bool = True
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     rewrite_gx: bool = True
@@ -97,15 +126,19 @@ class HotConfig:
         self._validate_profile()
         for key in ("gx_bits", "gw_bits"):
             value = getattr(self, key)
+            if key == "gx_bits" and value == AUTO:
+                continue
             if type(value) is not int or not MIN_BITS <= value <= MAX_BITS:
-                _fail(key, value, f"an int in {MIN_BITS}..{MAX_BITS}")
+                _fail(key, value, f"an int in {MIN_BITS}..{MAX_BITS}" + (" or 'auto'" if key == "gx_bits" else ""))
         if type(self.rank) is not int or not 1 <= self.rank <= 16:
             _fail("rank", self.rank, "an int in 1..16")
         if self.gx_quantizer not in GX_QUANTIZERS:
             _fail("gx_quantizer", self.gx_quantizer, " | ".join(map(repr, GX_QUANTIZERS)))
         if self.weight_quantizer not in WEIGHT_QUANTIZERS:
             _fail("weight_quantizer", self.weight_quantizer, " | ".join(map(repr, WEIGHT_QUANTIZERS)))
-        for key in ("rewrite_gx", "rewrite_gw", "hadamard", "strict"):
+        if self.gw_quantizer not in GW_QUANTIZERS:
+            _fail("gw_quantizer", self.gw_quantizer, " | ".join(map(repr, GW_QUANTIZERS)))
+        for key in ("rewrite_gx", "rewrite_gw", "hadamard", "strict", "exact_loss_head"):
             if type(getattr(self, key)) is not bool:
                 _fail(key, getattr(self, key), "True or False")
         if self.dump_dir is not None:
@@ -158,21 +191,18 @@ class HotConfig:
             normalized.append((glob, tuple(sorted(values.items()))))
         return tuple(normalized)
 
-    def quantizer_source(self, module_path: str) -> str:
-        """Where ``module_path``'s ``gx_quantizer`` comes from: an override, the plan, or the config."""
-        if any(fnmatch.fnmatchcase(module_path, glob) and "gx_quantizer" in dict(values) for glob, values in self.overrides):
+    def source(self, module_path: str, key: str) -> str:
+        """Where ``module_path``'s setting ``key`` comes from: ``"override"``, ``"plan"`` or ``"config"``."""
+        if any(fnmatch.fnmatchcase(module_path, glob) and key in dict(values) for glob, values in self.overrides):
             return "override"
-        if self.plan is not None and self.plan.quantizer_for(module_path) is not None:
-            return f"plan: {self.plan.source}"
+        if self.plan is not None and key in self.plan.settings_for(module_path):
+            return "plan"
         return "config"
 
     def for_module(self, module_path: str) -> HotConfig:
-        """This config for ``module_path``: the plan's quantizer for it, then every override whose
-        glob matches, in order."""
-        changes: dict[str, Any] = {}
-        planned = self.plan.quantizer_for(module_path) if self.plan is not None else None
-        if planned is not None:
-            changes["gx_quantizer"] = planned
+        """This config for ``module_path``: the plan's settings for it (quantizer, rank), then every
+        override whose glob matches, in order."""
+        changes: dict[str, Any] = dict(self.plan.settings_for(module_path)) if self.plan is not None else {}
         for glob, values in self.overrides:
             if fnmatch.fnmatchcase(module_path, glob):
                 changes.update(values)

@@ -80,22 +80,22 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from .config import HotConfig
     from .tasks import runner
-    from .tasks.common import train_side_by_side
+    from .tasks.common import INDUCTOR, Variant, train_side_by_side
 
     spec = runner.spec("gpt")
     task = spec.build(args.tiny)
     schedule = spec.tiny_schedule if args.tiny else spec.schedule
     if args.steps is not None:
         schedule = dataclasses.replace(schedule, steps=args.steps)
-    size, hot = task.size, spec.hot
+    size, hot = task.size, HotConfig()
     print(
         f"hot-compile demo: byte-level GPT ({size.layers} layers, width {size.dim}, {size.heads} heads, "
         f"context {size.context}, batch {size.batch}) on {len(task.train_data):,} bytes of CPython docs, "
         f"held-out {len(task.eval_data):,} bytes\n"
-        f"{schedule.steps} steps each for backend='inductor' (fp32) and backend='hot' (policy={hot.policy!r}, "
-        f"INT{hot.gx_bits} HQ {hot.gx_quantizer.replace('_', '-')}, INT{hot.gw_bits} HLA rank {hot.rank}"
-        f"{', leaving ' + ', '.join(hot.exclude) + ' alone' if hot.exclude else ''}), seed {args.seed}, "
+        f"{schedule.steps} steps each for backend='inductor' (fp32) and backend='hot' with no options "
+        f"(policy={hot.policy!r}; numerics per site, in the report below), seed {args.seed}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads\n"
         "the first step of each backend compiles its forward and backward graphs"
     )
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             results = train_side_by_side(
-                task, runner.comparison_variants("gpt"), schedule, seed=args.seed, progress=progress
+                task, [INDUCTOR, Variant("hot", hot)], schedule, seed=args.seed, progress=progress
             )
         except FloatingPointError as exc:
             bar.close()
@@ -130,8 +130,14 @@ def run(args: argparse.Namespace) -> int:
         f"activations saved for backward: inductor {reference.saved_bytes:,} B, hot {hot.saved_bytes:,} B "
         f"({hot.saved_bytes / reference.saved_bytes:.2f}×)"
     )
-    print()
-    print(hot.report.table() if hot.report is not None else "no HOT report: the pass did not run")
+    if hot.report is not None:
+        rewritten = sum(r.decision != "kept" for r in hot.report)
+        print(
+            f"backward products rewritten: {rewritten} of {len(hot.report)} "
+            f"({100 * hot.rewritten_fraction:.0f}%)\n\n{hot.report.table()}"
+        )
+    else:
+        print("\nno HOT report: the pass did not run")
 
     png = os.path.join(args.out, "loss.png")
     plot_losses(results, task, png)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from .ops import int8_gemm_kind, int8_matmul, u8s8_exact, u8s8_linear, u8s8_operand
-from .quant import qmax
+from .quant import MAX_BITS, MIN_BITS, qmax
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -71,6 +71,13 @@ class DeviceProfile:
         if self.narrow_int8_ops is not None and u8s8_exact(qmax(bits), qmax(bits)):
             return self.narrow_int8_ops
         return self.int8_ops
+
+    def widest_bits_at_narrowest_rate(self) -> int:
+        """The widest bit width whose integer product runs as fast as the narrowest's: 8 where the
+        integer GEMM is int8 whatever the operands (GPUs, CPUs with VNNI or AMX), 7 where the fast path
+        takes only narrow operands (oneDNN's uint8 × int8 on AVX2)."""
+        fastest = self.int8_rate(MIN_BITS)
+        return max(b for b in range(MIN_BITS, MAX_BITS + 1) if self.int8_rate(b) >= fastest)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -225,18 +232,19 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 def _fitted_transform_rate(profile: DeviceProfile, repeats: int, l: int = 2048, n: int = 1024, k: int = 1024) -> float:
     """``T`` such that the cost model's HQ estimate equals the measured time of HQ's grad_input op
-    at ``[l, n] @ [n, k]``: the transforms, scales, hash and quantizers the backend runs, fused as
-    Inductor fuses them, rather than one stand-alone kernel."""
+    at ``[l, n] @ [n, k]`` with the default numerics: the transforms, scales, hash and quantizers the
+    backend runs, fused as Inductor fuses them, rather than one stand-alone kernel."""
     from .kernels import hq_grad_input
     from .hadamard import padded_length
     from .passes.cost_model import grad_input_cost
 
     g, w, seed = torch.randn(l, n), torch.randn(n, k), torch.tensor(0)
-    measured = median_seconds(lambda: hq_grad_input(g, w, seed, 4, 4, False, True, False), repeats)
+    bits = profile.widest_bits_at_narrowest_rate()
+    measured = median_seconds(lambda: hq_grad_input(g, w, seed, bits, bits, True, True, "per_channel"), repeats)
     padded = padded_length(n)
     outputs = l * padded + padded * k
     flops = profile.matmul_rate(torch.float32)
-    rest = grad_input_cost(l, n, k, 4, flops, dataclasses.replace(profile, transform_rate=float("inf")), 4).hot_s
+    rest = grad_input_cost(l, n, k, 4, flops, dataclasses.replace(profile, transform_rate=float("inf")), bits).hot_s
     # The other terms can exceed a measurement that is mostly transform-bound by noise alone.
     return outputs / max(measured - rest, measured / 4)
 

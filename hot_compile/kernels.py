@@ -82,7 +82,7 @@ def hq_grad_input(
     weight_bits: int,
     per_token: bool,
     hadamard: bool,
-    stochastic_weight: bool,
+    weight_quantizer: str,
 ) -> Tensor:
     """:func:`hot_compile.ops.hq_grad_input` as one op: ``[..., N] × [N, K] → [..., K]``."""
     return _run(
@@ -94,12 +94,12 @@ def hq_grad_input(
         weight_bits=weight_bits,
         per_token=per_token,
         hadamard=hadamard,
-        stochastic_weight=stochastic_weight,
+        weight_quantizer=weight_quantizer,
     ).contiguous()
 
 
 @hq_grad_input.register_fake
-def _(grad_output, weight, seed, grad_bits, weight_bits, per_token, hadamard, stochastic_weight):
+def _(grad_output, weight, seed, grad_bits, weight_bits, per_token, hadamard, weight_quantizer):
     return grad_output.new_empty(*grad_output.shape[:-1], weight.shape[1])
 
 
@@ -115,30 +115,48 @@ def _tail_basis(t: Tensor, rank: int) -> Tensor:
 
 
 @torch.library.custom_op("hot_compile::compress_activation", mutates_args=())
-def compress_activation(x: Tensor, rank: int, bits: int) -> tuple[Tensor, Tensor]:
-    """:func:`hot_compile.ops.compress_activation` as one op: ``[..., K] → ([⌊r·L/16⌋ at most, K] int8, scale)``."""
+def compress_activation(x: Tensor, rank: int, bits: int, per_channel: bool) -> tuple[Tensor, Tensor]:
+    """:func:`hot_compile.ops.compress_activation` as one op: ``[..., K] → ([⌊r·L/16⌋ at most, K] int8,
+    scale [1, K] or 0-d)``."""
     tail = _tail_basis(x, rank)
-    x_q, scale = _run(ops.compress_activation, x, tail, rank=rank, bits=bits)
+    x_q, scale = _run(ops.compress_activation, x, tail, rank=rank, bits=bits, per_channel=per_channel)
     return x_q.contiguous(), scale.contiguous()
 
 
 @compress_activation.register_fake
-def _(x, rank, bits):
+def _(x, rank, bits, per_channel):
     rows = lowpass_rows(x.numel() // x.shape[-1], rank)
-    return x.new_empty(rows, x.shape[-1], dtype=torch.int8), x.new_empty((), dtype=torch.float32)
+    scale_shape = (1, x.shape[-1]) if per_channel else ()
+    return x.new_empty(rows, x.shape[-1], dtype=torch.int8), x.new_empty(scale_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("hot_compile::hla_grad_weight", mutates_args=())
 def hla_grad_weight(
-    grad_output: Tensor, x_q: Tensor, x_scale: Tensor, seed: Tensor, rank: int, bits: int, out_dtype: torch.dtype
+    grad_output: Tensor,
+    x_q: Tensor,
+    x_scale: Tensor,
+    seed: Tensor,
+    rank: int,
+    bits: int,
+    per_channel: bool,
+    out_dtype: torch.dtype,
 ) -> Tensor:
     """:func:`hot_compile.ops.hla_grad_weight` as one op: ``[..., N]`` and the ABC buffer → ``[N, K]``."""
     tail = _tail_basis(grad_output, rank)
     return _run(
-        ops.hla_grad_weight, grad_output, x_q, x_scale, seed, tail, rank=rank, bits=bits, out_dtype=out_dtype
+        ops.hla_grad_weight,
+        grad_output,
+        x_q,
+        x_scale,
+        seed,
+        tail,
+        rank=rank,
+        bits=bits,
+        per_channel=per_channel,
+        out_dtype=out_dtype,
     ).contiguous()
 
 
 @hla_grad_weight.register_fake
-def _(grad_output, x_q, x_scale, seed, rank, bits, out_dtype):
+def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
     return grad_output.new_empty(grad_output.shape[-1], x_q.shape[1], dtype=out_dtype)

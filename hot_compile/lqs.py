@@ -1,11 +1,20 @@
-"""Layer-wise quantizer selection (LQS): per-tensor or per-token scales for each layer's HQ gradient.
+"""Per-layer numerics from real gradients: HLA's rank and, by layer-wise quantizer selection (LQS),
+the scales of HQ's gradient.
 
-HQ quantizes the Hadamard-transformed upstream gradient ``g̃ = g B`` of every linear to INT4. One
-scale for the whole tensor is cheapest; one scale per token (row) is worth it only where a few
-tokens carry much larger gradients than the rest. :func:`calibrate` decides per layer from real
-gradients: it runs a few eager forward/backward passes, quantizes each linear's ``g̃`` both ways
-with the stochastic quantizer HQ uses, and picks per-token only when its error
-``‖g̃ − deq(q(g̃))‖`` is below ``threshold`` × the per-tensor error (the official rule, threshold 0.5).
+:func:`calibrate` runs a few eager forward/backward passes and measures, for every linear:
+
+* **rank.** HLA at rank 8 keeps the 8 lowest-sequency Walsh rows of each block of 16 tokens: exact
+  where neighbouring tokens are alike, a fixed error where they are not (text). Per layer it compares
+  the error of the rank-8 product ``‖gᵀx − (P₈g)ᵀ(P₈x)/16‖`` with the mini-batch sampling spread of
+  the same gradient (how far one batch's ``gᵀx`` lies from the batches' mean), and takes rank 8 only
+  where the error stays within ``ERROR_BUDGET`` of that spread: then the cut adds at most
+  ``ERROR_BUDGET²`` (1%) to the gradient's mean squared error. Elsewhere the plan says nothing and the
+  config's rank (16, no cut) holds.
+* **quantizer (LQS).** HQ quantizes the Hadamard-transformed gradient ``g̃ = g B``. Per layer it
+  quantizes ``g̃`` with one scale and with one per token, and picks per-token when its error
+  ``‖g̃ − deq(q(g̃))‖`` is below ``threshold`` × the per-tensor error. The paper's rule is
+  threshold 0.5 (``LQS_PAPER_THRESHOLD``): its per-token kernel cost more. Here per-token scales
+  are free in the integer GEMM's epilogue, so the default threshold is 1.
 
 The result is a frozen :class:`QuantizerPlan`: hashable, with a deterministic ``repr`` (it is part of
 the compile cache key), saved and loaded as JSON.
@@ -22,26 +31,41 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from .hadamard import block_hadamard
+from .hadamard import BLOCK, block_hadamard, lowpass, tail_basis
 from .quant import dequantize, quantize_stochastic
 
 QUANTIZERS = ("per_tensor", "per_token")
-DEFAULT_THRESHOLD = 0.5
-FORMAT_VERSION = 1
+DEFAULT_THRESHOLD = 1.0
+LQS_PAPER_THRESHOLD = 0.5
+# The largest error of a rank-8 product relative to the layer's mini-batch sampling spread: the cut
+# then adds at most 1% to the mean squared error of that layer's gradient.
+ERROR_BUDGET = 0.1
+LOW_RANK = 8
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerChoice:
-    """The quantizer chosen for one linear and the calibration errors it was chosen on."""
+    """The numerics chosen for one linear and the calibration errors they were chosen on.
+
+    ``rank`` is set only where the rank-8 error (``rank8_error``, relative to ``‖gᵀx‖``) is within
+    ``ERROR_BUDGET`` of the sampling spread (``sampling_spread``, relative likewise); None leaves the
+    config's rank.
+    """
 
     module: str
     quantizer: str
     per_tensor_error: float
     per_token_error: float
+    rank: int | None = None
+    rank8_error: float | None = None
+    sampling_spread: float | None = None
 
     def __post_init__(self) -> None:
         if self.quantizer not in QUANTIZERS:
             raise ValueError(f"LayerChoice.quantizer={self.quantizer!r}: accepted values are {QUANTIZERS}")
+        if self.rank is not None and (type(self.rank) is not int or not 1 <= self.rank <= 16):
+            raise ValueError(f"LayerChoice.rank={self.rank!r}: accepted values are None or an int in 1..16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +94,17 @@ class QuantizerPlan:
                 return choice.quantizer
         return None
 
-    def as_dict(self) -> dict[str, str]:
-        """Module path → quantizer."""
-        return {c.module: c.quantizer for c in self.layers}
+    def settings_for(self, module_path: str) -> dict[str, Any]:
+        """The HotConfig settings the plan makes for ``module_path`` (``gx_quantizer``, and ``rank``
+        where calibration found a lower rank within budget); empty for a layer it does not cover."""
+        for choice in self.layers:
+            if choice.module == module_path:
+                return {"gx_quantizer": choice.quantizer, **({"rank": choice.rank} if choice.rank else {})}
+        return {}
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        """Module path → its settings."""
+        return {c.module: self.settings_for(c.module) for c in self.layers}
 
     def to_json(self) -> str:
         return json.dumps(
@@ -90,7 +122,7 @@ class QuantizerPlan:
         data = json.loads(text)
         if not isinstance(data, dict) or data.get("format") != "hot_compile.QuantizerPlan":
             raise ValueError("not a hot_compile.QuantizerPlan JSON document")
-        if data.get("version") != FORMAT_VERSION:
+        if data.get("version") not in (1, FORMAT_VERSION):  # version 1 had no rank fields
             raise ValueError(f"QuantizerPlan format version {data.get('version')!r}: this version reads {FORMAT_VERSION}")
         return cls(tuple(LayerChoice(**layer) for layer in data["layers"]), data["source"])
 
@@ -105,12 +137,17 @@ class QuantizerPlan:
 
     def table(self) -> str:
         width = max([len("module")] + [len(c.module) for c in self.layers])
-        lines = [f"{'module'.ljust(width)}  quantizer   per-tensor err  per-token err"]
+        lines = [f"{'module'.ljust(width)}  quantizer   per-tensor err  per-token err  rank  rank-8 err  spread"]
         lines += [
             f"{c.module.ljust(width)}  {c.quantizer.ljust(10)}  {c.per_tensor_error:14.4g}  {c.per_token_error:13.4g}"
+            f"  {str(c.rank or '-'):>4}  {_fmt(c.rank8_error):>10}  {_fmt(c.sampling_spread):>6}"
             for c in self.layers
         ]
         return f"QuantizerPlan ({self.source})\n" + "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
 
 
 def _errors(grad: torch.Tensor, bits: int, seed: int) -> tuple[float, float]:
@@ -119,9 +156,40 @@ def _errors(grad: torch.Tensor, bits: int, seed: int) -> tuple[float, float]:
     seed_t = torch.tensor(seed, dtype=torch.int64)
     out = []
     for per_token in (False, True):
-        q, scale = quantize_stochastic(transformed, bits, seed_t, per_token=per_token)
+        q, scale = quantize_stochastic(transformed, bits, seed_t, dim=-1 if per_token else None)
         out.append((transformed - dequantize(q, scale)).square().sum().item())
     return out[0], out[1]
+
+
+def _lowpass_error(grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gᵀx`` and its rank-8 HLA error ``gᵀx − (P₈g)ᵀ(P₈x)/16``, unquantized, in float32."""
+    g2, x2 = grad.reshape(-1, grad.shape[-1]).float(), x.reshape(-1, x.shape[-1]).float()
+    tail = tail_basis(g2.shape[0] % BLOCK, LOW_RANK, device=g2.device)
+    exact = g2.t() @ x2
+    return exact, exact - lowpass(g2, LOW_RANK, tail).t() @ lowpass(x2, LOW_RANK, tail) / BLOCK
+
+
+@dataclasses.dataclass
+class _LayerStats:
+    quantizer_squared: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])
+    gradients: list[torch.Tensor] = dataclasses.field(default_factory=list)  # one gᵀx per batch
+    errors: list[torch.Tensor] = dataclasses.field(default_factory=list)  # its rank-8 error per batch
+
+    def choice(self, name: str, threshold: float) -> LayerChoice:
+        tensor_err, token_err = (math.sqrt(v) for v in self.quantizer_squared)
+        quantizer = "per_token" if token_err < threshold * tensor_err else "per_tensor"
+        rank = rank8_error = spread = None
+        if self.gradients:
+            grads = torch.stack(self.gradients)
+            norm = grads.square().sum(dim=(1, 2)).mean().sqrt()
+            rank8_error = (torch.stack(self.errors).square().sum(dim=(1, 2)).mean().sqrt() / norm).item()
+            if len(self.gradients) > 1:
+                # The spread of one batch's gradient around the batches' mean, as an unbiased estimate.
+                deviation = (grads - grads.mean(0)).square().sum(dim=(1, 2)).sum() / (len(grads) - 1)
+                spread = (deviation.sqrt() / norm).item()
+                if rank8_error <= ERROR_BUDGET * spread:
+                    rank = LOW_RANK
+        return LayerChoice(name, quantizer, tensor_err, token_err, rank, rank8_error, spread)
 
 
 def calibrate(
@@ -132,16 +200,21 @@ def calibrate(
     *,
     bits: int = 4,
 ) -> QuantizerPlan:
-    """Choose each ``nn.Linear``'s HQ gradient quantizer from real gradients.
+    """Choose each ``nn.Linear``'s HLA rank and HQ gradient quantizer from real gradients.
 
     For each batch, ``loss_fn(model, batch)`` is run eagerly and differentiated with respect to the
     output of every linear (``torch.autograd.grad``: parameters' ``.grad`` are left untouched, no
-    optimizer step is taken, and the default random generator is restored afterwards). Errors are
-    summed over batches and over every call of a layer; a layer gets ``"per_token"`` only when
-    ``per_token_error < threshold · per_tensor_error``. Module paths are those of
-    ``model.named_modules()`` — the paths the HOT pass reports for the same model compiled
-    (a ``torch.compile``-wrapped model is unwrapped first). Linears whose output never reaches the
-    loss are left out of the plan.
+    optimizer step is taken, and the default random generator is restored afterwards).
+
+    * Rank 8 where the rank-8 error of the layer's ``gᵀx`` is at most ``ERROR_BUDGET`` times its
+      sampling spread across the batches (both as root-mean-square over batches, relative to
+      ``‖gᵀx‖``); at least two batches are needed to measure a spread.
+    * ``"per_token"`` where ``per_token_error < threshold · per_tensor_error`` (errors of ``bits``-bit
+      stochastic rounding of the Hadamard-transformed gradient, summed over batches and calls).
+
+    Module paths are those of ``model.named_modules()`` — the paths the HOT pass reports for the same
+    model compiled (a ``torch.compile``-wrapped model is unwrapped first). Linears whose output never
+    reaches the loss are left out of the plan.
     """
     if not 0 < threshold <= 1:
         raise ValueError(f"threshold={threshold!r}: accepted values are in (0, 1]")
@@ -149,12 +222,12 @@ def calibrate(
     names = {m: name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     if not names:
         raise ValueError("calibrate: the model has no nn.Linear layers")
-    squared: dict[str, list[float]] = {}
-    outputs: list[tuple[str, torch.Tensor]] = []
+    stats: dict[str, _LayerStats] = {}
+    outputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
 
-    def record(module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+    def record(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
         if output.requires_grad:
-            outputs.append((names[module], output))
+            outputs.append((names[module], inputs[0].detach(), output))
 
     handles = [m.register_forward_hook(record) for m in names]
     count = 0
@@ -163,14 +236,21 @@ def calibrate(
             for index, batch in enumerate(batches):
                 outputs.clear()
                 loss = loss_fn(model, batch)
-                grads = torch.autograd.grad(loss, [o for _, o in outputs], allow_unused=True)
-                for call, ((name, _), grad) in enumerate(zip(outputs, grads)):
+                grads = torch.autograd.grad(loss, [o for _, _, o in outputs], allow_unused=True)
+                batch_sums: dict[str, list[torch.Tensor]] = {}
+                for call, ((name, x, _), grad) in enumerate(zip(outputs, grads)):
                     if grad is None:
                         continue
-                    tensor_err, token_err = _errors(grad.detach(), bits, seed=index * 1009 + call)
-                    acc = squared.setdefault(name, [0.0, 0.0])
-                    acc[0] += tensor_err
-                    acc[1] += token_err
+                    layer = stats.setdefault(name, _LayerStats())
+                    for i, err in enumerate(_errors(grad.detach(), bits, seed=index * 1009 + call)):
+                        layer.quantizer_squared[i] += err
+                    exact, error = _lowpass_error(grad.detach(), x)
+                    sums = batch_sums.setdefault(name, [torch.zeros_like(exact), torch.zeros_like(error)])
+                    sums[0] += exact
+                    sums[1] += error
+                for name, (exact, error) in batch_sums.items():
+                    stats[name].gradients.append(exact)
+                    stats[name].errors.append(error)
                 count += 1
     finally:
         for handle in handles:
@@ -178,9 +258,7 @@ def calibrate(
         outputs.clear()
     if count == 0:
         raise ValueError("calibrate: no calibration batches")
-    layers = []
-    for name, (tensor_sq, token_sq) in squared.items():
-        tensor_err, token_err = math.sqrt(tensor_sq), math.sqrt(token_sq)
-        choice = "per_token" if token_err < threshold * tensor_err else "per_tensor"
-        layers.append(LayerChoice(name, choice, tensor_err, token_err))
-    return QuantizerPlan(tuple(layers), f"calibrate: {count} batch(es), INT{bits}, threshold {threshold}")
+    layers = tuple(layer.choice(name, threshold) for name, layer in stats.items())
+    return QuantizerPlan(
+        layers, f"calibrate: {count} batch(es), INT{bits}, threshold {threshold}, rank budget {ERROR_BUDGET}"
+    )

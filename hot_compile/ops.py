@@ -22,9 +22,10 @@ SALT_GRAD_INPUT = 1
 SALT_GRAD_WEIGHT = 2
 SALT_WEIGHT = 3
 
-DEFAULT_GX_BITS = 4
+DEFAULT_GX_BITS = 8
 DEFAULT_GW_BITS = 8
-DEFAULT_RANK = 8
+# The full Walsh basis: no low-rank cut unless calibration shows neighbouring tokens are alike.
+DEFAULT_RANK = 16
 
 
 @torch.library.custom_op(
@@ -162,29 +163,36 @@ def hq_grad_input(
     *,
     grad_bits: int = DEFAULT_GX_BITS,
     weight_bits: int = DEFAULT_GX_BITS,
-    per_token: bool = False,
+    per_token: bool = True,
     hadamard: bool = True,
-    stochastic_weight: bool = False,
+    weight_quantizer: str = "per_channel",
 ) -> torch.Tensor:
     """grad_input of a linear by Hadamard quantization (HQ).
 
     ``g W = (g B)(B W) / 16`` with ``B = blockdiag(H16, …)`` along N, so
-    ``grad_x ≈ int_mm(q(gB), q(BW)) · s_g · s_w / 16``: ``q(gB)`` stochastic (per-tensor, or per-row
-    when ``per_token``), ``q(BW)`` SAWB round-to-nearest, or with ``stochastic_weight`` stochastic at
-    the max scale (then ``E[q(BW)] = BW`` and the product is unbiased; SAWB's clip is not).
-    Returns ``[..., K]`` in ``grad_output``'s dtype.
-    ``hadamard=False`` quantizes ``g`` and ``W`` as they are (plain INT4, the ablation baseline).
+    ``grad_x ≈ int_mm(q(gB), q(BW)) · s_g · s_w / 16``: ``q(gB)`` stochastic, one scale per token
+    (``per_token``) or per tensor; ``q(BW)`` by ``weight_quantizer``:
+
+    * ``"per_channel"``: stochastic, one max scale per column of ``BW`` (per input feature ``k``);
+    * ``"stochastic"``: stochastic, one max scale;
+    * ``"sawb"``: SAWB's clip and round-to-nearest (the paper's; a bias no number of steps removes).
+
+    Scales on ``L`` and ``K``, the dimensions the product does not contract, factor out of the integer
+    GEMM. The stochastic choices make ``E[q(gB)·s_g] = gB`` and ``E[q(BW)·s_w] = BW``, so the product is
+    unbiased. Returns ``[..., K]`` in ``grad_output``'s dtype. ``hadamard=False`` quantizes ``g`` and
+    ``W`` as they are (plain integer quantization, the ablation baseline).
     """
     n, k = weight.shape
     g2 = grad_output.reshape(-1, n).float()
     w = weight.float()
     if hadamard:
         g2, w = block_hadamard(g2, 1), block_hadamard(w, 0)
-    qg, sg = quantize_stochastic(g2, grad_bits, seed, per_token=per_token, salt=SALT_GRAD_INPUT)
-    if stochastic_weight:
-        qw, sw = quantize_stochastic(w, weight_bits, seed, salt=SALT_WEIGHT)
-    else:
+    qg, sg = quantize_stochastic(g2, grad_bits, seed, dim=-1 if per_token else None, salt=SALT_GRAD_INPUT)
+    if weight_quantizer == "sawb":
         qw, sw = quantize_sawb(w, weight_bits)
+    else:
+        per_column = 0 if weight_quantizer == "per_channel" else None
+        qw, sw = quantize_stochastic(w, weight_bits, seed, dim=per_column, salt=SALT_WEIGHT)
     norm = BLOCK if hadamard else 1
     out = int8_matmul(qg, qw, qmax(grad_bits), qmax(weight_bits)).to(torch.float32) * (sg * (sw / norm))
     return out.to(grad_output.dtype).reshape(*grad_output.shape[:-1], k)
@@ -197,17 +205,24 @@ def _lowpass(x2: torch.Tensor, rank: int, tail: torch.Tensor | None) -> torch.Te
 
 
 def compress_activation(
-    x: torch.Tensor, tail: torch.Tensor | None = None, *, rank: int = DEFAULT_RANK, bits: int = DEFAULT_GW_BITS
+    x: torch.Tensor,
+    tail: torch.Tensor | None = None,
+    *,
+    rank: int = DEFAULT_RANK,
+    bits: int = DEFAULT_GW_BITS,
+    per_channel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activation buffer compression (ABC): ``x → (q(P_L x), s_x)``.
+    """Activation buffer compression (ABC): ``x → (q(P_L x), s_x)``, round-to-nearest.
 
     ``P_L`` (:func:`hot_compile.hadamard.lowpass`) keeps the ``rank`` lowest-sequency Walsh rows of
     each block of 16 tokens, and proportionally fewer of the ``L mod 16`` left over, so the int8 result
-    is ``[⌊r·L/16⌋, K]`` at most: ``r/64`` of the bytes of a float32 ``x`` (1/8 at r = 8) at any L.
+    is ``[⌊r·L/16⌋, K]`` at most: ``r/64`` of the bytes of a float32 ``x`` (1/8 at r = 8, 1/4 at
+    r = 16) at any L. ``s_x`` is one scale per channel (``[1, K]``: an outlier channel keeps its own
+    range and leaves the others their 8 bits) or, without ``per_channel``, one per tensor.
     ``tail`` is ``tail_basis(L mod 16, rank)``, built here when not given.
     """
     x2 = x.reshape(-1, x.shape[-1])
-    return quantize_nearest(_lowpass(x2, rank, tail), bits)
+    return quantize_nearest(_lowpass(x2, rank, tail), bits, dim=0 if per_channel else None)
 
 
 def hla_grad_weight(
@@ -219,16 +234,20 @@ def hla_grad_weight(
     *,
     rank: int = DEFAULT_RANK,
     bits: int = DEFAULT_GW_BITS,
+    per_channel: bool = True,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """grad_weight of a linear by Hadamard low-rank approximation (HLA).
 
     ``gᵀ x ≈ (P_L g)ᵀ (P_L x) / 16`` (exact at r = 16), so
-    ``grad_W ≈ int_mm(q(P_L g)ᵀ, q(P_L x)) · s_g · s_x / 16`` with ``q(P_L g)`` stochastic per-tensor
-    and ``(q(P_L x), s_x)`` from :func:`compress_activation` at the same ``rank`` (and ``tail``).
-    Returns ``[N, K]``.
+    ``grad_W ≈ int_mm(q(P_L g)ᵀ, q(P_L x)) · s_g · s_x / 16`` with ``q(P_L g)`` stochastic, one scale
+    per output channel ``n`` (``per_channel``) or per tensor, and ``(q(P_L x), s_x)`` from
+    :func:`compress_activation` at the same ``rank`` (and ``tail``). Returns ``[N, K]``.
     """
     g2 = grad_output.reshape(-1, grad_output.shape[-1])
-    qg, sg = quantize_stochastic(_lowpass(g2, rank, tail), bits, seed, salt=SALT_GRAD_WEIGHT)
-    out = int8_matmul(qg.t(), x_q, qmax(bits), qmax(bits)).to(torch.float32) * (sg * (x_scale / BLOCK))
+    qg, sg = quantize_stochastic(
+        _lowpass(g2, rank, tail), bits, seed, dim=0 if per_channel else None, salt=SALT_GRAD_WEIGHT
+    )
+    # sg is [1, N] (or 0-d): as a column it scales the rows of the [N, K] product.
+    out = int8_matmul(qg.t(), x_q, qmax(bits), qmax(bits)).to(torch.float32) * (sg.t() * (x_scale / BLOCK))
     return out.to(out_dtype or grad_output.dtype)

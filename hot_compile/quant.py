@@ -87,29 +87,36 @@ def hash_uniform(like: torch.Tensor, seed: torch.Tensor, salt: int = 0) -> torch
     return _shr32(h, 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
+def _amax(mag: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """``max|v|`` over the whole tensor (0-d), or over ``dim`` kept as a size-1 dimension."""
+    return mag.amax() if dim is None else mag.amax(dim=dim, keepdim=True)
+
+
 def quantize_stochastic(
-    v: torch.Tensor, bits: int, seed: torch.Tensor, *, per_token: bool = False, salt: int = 0
+    v: torch.Tensor, bits: int, seed: torch.Tensor, *, dim: int | None = None, salt: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unbiased stochastic rounding: ``s = max|v| / qmax``; ``q = sign(v)·floor(|v|/s + u)``.
 
-    ``per_token`` takes the max over the last dimension (one scale per row, shape ``[..., 1]``);
-    otherwise the scale is a 0-d tensor.
+    ``dim=None`` gives one scale for the tensor (0-d); ``dim=d`` takes the max over dimension ``d``,
+    one scale per slice across it (shape 1 along ``d``): for a matmul operand, ``d`` is the contracted
+    dimension, so the scales factor out of the integer product (``dim=-1`` of ``g [L, N]`` is one
+    scale per token).
     """
     qm = qmax(bits)
     v = v.float()
     mag = v.abs()
-    amax = mag.amax(dim=-1, keepdim=True) if per_token else mag.amax()
-    scale = guard_scale(amax / qm)
+    scale = guard_scale(_amax(mag, dim) / qm)
     level = torch.floor(mag / scale + hash_uniform(v, seed, salt))
     q = (torch.sign(v) * level).clamp(-qm, qm).to(torch.int8)
     return q, scale
 
 
-def quantize_nearest(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor round-to-nearest: ``s = max|v| / qmax``; ``q = round(v / s)``."""
+def quantize_nearest(v: torch.Tensor, bits: int, *, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest: ``s = max|v| / qmax``; ``q = round(v / s)``; scales as in
+    :func:`quantize_stochastic`."""
     qm = qmax(bits)
     v = v.float()
-    scale = guard_scale(v.abs().amax() / qm)
+    scale = guard_scale(_amax(v.abs(), dim) / qm)
     return torch.round(v / scale).clamp(-qm, qm).to(torch.int8), scale
 
 

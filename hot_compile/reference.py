@@ -51,19 +51,25 @@ def block_transform(x: torch.Tensor, basis: torch.Tensor, dim: int) -> torch.Ten
     return (xm @ block_matrix(xm.shape[-1], basis).T).movedim(-1, dim)
 
 
-def stochastic(v: torch.Tensor, bits: int, noise: torch.Tensor, per_token: bool = False):
+def _amax(v: torch.Tensor, dim: int | None) -> torch.Tensor:
+    return v.abs().amax() if dim is None else v.abs().amax(dim, keepdim=True)
+
+
+def stochastic(v: torch.Tensor, bits: int, noise: torch.Tensor, dim: int | None = None):
+    """Stochastic rounding at the max scale, over the whole tensor or over ``dim`` (one scale per
+    slice across it)."""
     qm = qmax(bits)
     v = v.to(F64)
-    amax = v.abs().amax(-1, keepdim=True) if per_token else v.abs().amax()
+    amax = _amax(v, dim)
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / qm)
     q = torch.sign(v) * torch.floor(v.abs() / scale + noise.to(F64))
     return q.clamp(-qm, qm), scale
 
 
-def nearest(v: torch.Tensor, bits: int):
+def nearest(v: torch.Tensor, bits: int, dim: int | None = None):
     qm = qmax(bits)
     v = v.to(F64)
-    amax = v.abs().amax()
+    amax = _amax(v, dim)
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / qm)
     return torch.round(v / scale).clamp(-qm, qm), scale
 
@@ -78,15 +84,16 @@ def sawb(v: torch.Tensor, bits: int):
     return torch.round(v / scale).clamp(-qm, qm), scale
 
 
-def hq_grad_input(g, w, seed, *, grad_bits=4, weight_bits=4, per_token=False, stochastic_weight=False):
+def hq_grad_input(g, w, seed, *, grad_bits=8, weight_bits=8, per_token=True, weight_quantizer="per_channel"):
     n, k = w.shape
     gt = block_transform(g.reshape(-1, n), sylvester_hadamard(), 1)
-    qg, sg = stochastic(gt, grad_bits, hash_uniform(gt, seed, SALT_GRAD_INPUT), per_token)
+    qg, sg = stochastic(gt, grad_bits, hash_uniform(gt, seed, SALT_GRAD_INPUT), -1 if per_token else None)
     wt = block_transform(w, sylvester_hadamard(), 0)
-    if stochastic_weight:
-        qw, sw = stochastic(wt, weight_bits, hash_uniform(wt, seed, SALT_WEIGHT), False)
-    else:
+    if weight_quantizer == "sawb":
         qw, sw = sawb(wt, weight_bits)
+    else:
+        dim = 0 if weight_quantizer == "per_channel" else None
+        qw, sw = stochastic(wt, weight_bits, hash_uniform(wt, seed, SALT_WEIGHT), dim)
     return ((qg @ qw) * sg * sw / BLOCK).reshape(*g.shape[:-1], k)
 
 
@@ -95,14 +102,14 @@ def lowpass(x: torch.Tensor, rank: int) -> torch.Tensor:
     return lowpass_matrix(x2.shape[0], rank) @ x2
 
 
-def compress_activation(x, *, rank=8, bits=8):
-    return nearest(lowpass(x, rank), bits)
+def compress_activation(x, *, rank=16, bits=8, per_channel=True):
+    return nearest(lowpass(x, rank), bits, 0 if per_channel else None)
 
 
-def hla_grad_weight(g, x_q, x_scale, seed, *, rank=8, bits=8):
+def hla_grad_weight(g, x_q, x_scale, seed, *, rank=16, bits=8, per_channel=True):
     pg = lowpass(g, rank)
-    qg, sg = stochastic(pg, bits, hash_uniform(pg, seed, SALT_GRAD_WEIGHT))
-    return (qg.T @ x_q.to(F64)) * sg * x_scale.to(F64) / BLOCK
+    qg, sg = stochastic(pg, bits, hash_uniform(pg, seed, SALT_GRAD_WEIGHT), 0 if per_channel else None)
+    return (qg.T @ x_q.to(F64)) * sg.t() * x_scale.to(F64) / BLOCK
 
 
 def lowpass_product(g, x, rank=8):

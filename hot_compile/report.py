@@ -14,6 +14,10 @@ from typing import Any, Iterator
 class SiteRow:
     """One backward matmul site of one linear layer.
 
+    ``numerics`` names what a rewritten site computes: ``INT8 g per_token, W per_channel`` for HQ,
+    ``INT8 rank 16 per_channel`` for HLA, each choice followed by its source where it is not the
+    config's own value (``auto: device``, ``plan``, ``override``).
+
     ``saved_bytes_before``/``after`` are the bytes the backward keeps of this layer's input activation:
     ``x`` itself before, the int8 low-rank ``P_L x`` plus its scale after (the same compressed buffer is
     counted on every row that shares it). ``est_*_ms`` are the cost model's estimates of the original
@@ -30,6 +34,8 @@ class SiteRow:
     saved_bytes_after: int | None = None
     est_original_ms: float | None = None
     est_hot_ms: float | None = None
+    # The numerics of a rewritten site (bits, scales, rank) and where each choice came from.
+    numerics: str = "-"
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -37,9 +43,12 @@ class SiteRow:
 
 _COLUMNS = (
     "module", "path", "shape", "dtype", "decision", "est_original_ms", "est_hot_ms",
-    "saved_bytes_before", "saved_bytes_after", "reason",
+    "saved_bytes_before", "saved_bytes_after", "numerics", "reason",
 )  # fmt: skip
-_HEADERS = ("module", "path", "shape", "dtype", "decision", "est. orig", "est. HOT", "saved before", "saved after", "why")
+_HEADERS = (
+    "module", "path", "shape", "dtype", "decision", "est. orig", "est. HOT", "saved before", "saved after",
+    "numerics", "why",
+)  # fmt: skip
 
 
 def _fmt_cell(column: str, value) -> str:

@@ -22,7 +22,8 @@ from ..devices import load_calibrated, resolve_profile
 from .. import inspection  # a module, not names: hot_compile.inspection reads passes.provenance
 from ..report import Report, SiteRow, publish
 from .cost_model import SiteCost, grad_input_cost, grad_weight_cost
-from .decide import decide
+from .decide import decide, why_not_selected
+from .numerics import describe, resolve_numerics
 from .legality import why_illegal
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
@@ -56,12 +57,16 @@ class _Planned:
     replacement: fx.Node | None = None  # stands in for the original mm once everything is built
 
 
-def _estimate(site: LinearSite, path: str, config: HotConfig, profiles: dict) -> tuple[int, SiteCost]:
+def _profile(site: LinearSite, config: HotConfig, profiles: dict):
+    device = site.x2d.meta["val"].device
+    if device not in profiles:
+        profiles[device] = resolve_profile(device, config.device_profile)
+    return profiles[device]
+
+
+def _estimate(site: LinearSite, path: str, config: HotConfig, profile) -> tuple[int, SiteCost]:
     l, n, k = (_hint(d) for d in site.shapes)
     val = site.x2d.meta["val"]
-    if val.device not in profiles:
-        profiles[val.device] = resolve_profile(val.device, config.device_profile)
-    profile = profiles[val.device]
     flops = profile.matmul_rate(val.dtype)
     if path == "gx":
         return l * n * k, grad_input_cost(l, n, k, val.element_size(), flops, profile, config.gx_bits)
@@ -94,12 +99,15 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
             for path, use in (("gx", site.grad_input), ("gw", site.grad_weight)):
                 if use is None:
                     continue
-                illegal = why_illegal(site, use, path, site_config)
-                if illegal:
-                    planned.append(_Planned(site, site_config, path, "kept", illegal, None))
+                skipped = why_not_selected(site.module_path, path, site_config, site.feeds_cross_entropy)
+                skipped = skipped or why_illegal(site, use, path, site_config)
+                if skipped:
+                    planned.append(_Planned(site, site_config, path, "kept", skipped, None))
                     continue
-                mnk, cost = _estimate(site, path, site_config, profiles)
-                decision = decide(site.module_path, path, mnk, cost, site_config)
+                profile = _profile(site, site_config, profiles)
+                site_config = resolve_numerics(site_config, profile)
+                mnk, cost = _estimate(site, path, site_config, profile)
+                decision = decide(path, mnk, cost, site_config)
                 entry = _Planned(site, site_config, path, "kept", decision.reason, cost)
                 if decision.rewrite and path == "gx":
                     entry.decision = "HQ"
@@ -118,11 +126,6 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
 
 def _row(graph: fx.Graph, backward: set[fx.Node], entry: _Planned, config: HotConfig) -> SiteRow:
     site, reason = entry.site, entry.reason
-    if entry.path == "gx" and entry.decision != "kept":
-        reason += (
-            f"; g quantizer {entry.config.gx_quantizer} ({config.quantizer_source(site.module_path)}),"
-            f" W quantizer {entry.config.weight_quantizer}"
-        )
     before = after = None
     if entry.path == "gw":
         before = after = _bytes(site.x2d.meta["val"])
@@ -143,6 +146,7 @@ def _row(graph: fx.Graph, backward: set[fx.Node], entry: _Planned, config: HotCo
         saved_bytes_after=after,
         est_original_ms=entry.cost.original_s * 1e3 if entry.cost else None,
         est_hot_ms=entry.cost.hot_s * 1e3 if entry.cost else None,
+        numerics="-" if entry.decision == "kept" else describe(entry.path, entry.config, config, site.module_path),
     )
 
 

@@ -31,16 +31,26 @@ def _estimate(cost: SiteCost) -> str:
     return f"est. {verdict} ({cost.hot_s * 1e3:.3g} ms vs {cost.original_s * 1e3:.3g} ms)"
 
 
-def decide(module_path: str, path: str, mnk: int, cost: SiteCost, config: HotConfig) -> Decision:
-    """Rewrite or keep the ``path`` ("gx"/"gw") site of ``module_path`` under ``config`` (already
-    resolved for that module), given its ``M·N·K`` and cost estimate."""
+def why_not_selected(module_path: str, path: str, config: HotConfig, loss_head: bool) -> str | None:
+    """The reason ``config`` (resolved for ``module_path``) leaves the ``path`` site alone whatever it
+    costs, or None: the filters that need no estimate, checked before the cost model runs."""
     if config.policy == "off":
-        return Decision(False, "policy='off'")
+        return "policy='off'"
     if not (config.rewrite_gx if path == "gx" else config.rewrite_gw):
-        return Decision(False, f"rewrite_{path}=False")
+        return f"rewrite_{path}=False"
     if not config.selects(module_path):
-        return Decision(False, "excluded by include/exclude globs")
+        return "excluded by include/exclude globs"
+    if loss_head and config.exact_loss_head:
+        return (
+            "kept exact: the output feeds a softmax cross-entropy, whose gradient (softmax minus one-hot) "
+            "is a few spikes per row that every layer below inherits (exact_loss_head=True)"
+        )
+    return None
 
+
+def decide(path: str, mnk: int, cost: SiteCost, config: HotConfig) -> Decision:
+    """Rewrite or keep a ``path`` ("gx"/"gw") site under ``config`` (already resolved for its module and
+    passed by :func:`why_not_selected`), given its ``M·N·K`` and cost estimate."""
     estimate = _estimate(cost)
     saving = ""
     if path == "gw" and cost.saved_bytes_before is not None:

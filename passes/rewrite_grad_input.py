@@ -1,4 +1,4 @@
-"""grad_input → HQ: ``mm(g, W)`` becomes ``hot_compile::hq_grad_input(g, W, seed)`` (INT4 Hadamard
+"""grad_input → HQ: ``mm(g, W)`` becomes ``hot_compile::hq_grad_input(g, W, seed)`` (integer Hadamard
 quantization)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def rewrite_grad_input(graph: fx.Graph, site: LinearSite, config: HotConfig, cre
             config.gx_bits,
             config.gx_quantizer == "per_token",
             config.hadamard,
-            config.weight_quantizer == "stochastic",
+            config.weight_quantizer,
         ).to(out_dtype)
         return out.t() if use.out_transposed else out
 

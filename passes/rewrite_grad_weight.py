@@ -23,27 +23,28 @@ REWRITE = "hla_grad_weight"
 
 
 class CompressedActivations:
-    """One compressed buffer per distinct forward input and (rank, bits): q, k and v projections
-    share theirs."""
+    """One compressed buffer per distinct forward input and (rank, bits, scales): q, k and v
+    projections share theirs."""
 
     def __init__(self, graph: fx.Graph, created: list[fx.Node]):
         self.graph, self.created = graph, created
-        self.entries: list[tuple[fx.Node, int, int, tuple[fx.Node, fx.Node]]] = []
+        self.entries: list[tuple[fx.Node, tuple[int, int, bool], tuple[fx.Node, fx.Node]]] = []
 
     def get(self, site: LinearSite, config: HotConfig) -> tuple[fx.Node, fx.Node]:
-        rank, bits = config.rank, config.gw_bits
-        for x2d, entry_rank, entry_bits, buffers in self.entries:
-            if (entry_rank, entry_bits) == (rank, bits) and same_value(x2d, site.x2d):
+        rank, bits, per_channel = config.rank, config.gw_bits, config.gw_quantizer == "per_channel"
+        numerics = (rank, bits, per_channel)
+        for x2d, entry_numerics, buffers in self.entries:
+            if entry_numerics == numerics and same_value(x2d, site.x2d):
                 return buffers
 
         def compress(x):
-            return kernels.compress_activation(x, rank, bits)
+            return kernels.compress_activation(x, rank, bits, per_channel)
 
         meta = provenance(COMPRESS, site.module_path, "gw", site.x2d, "forward")
         buffers = insert_traced(self.graph, compress, [site.x2d], before=site.x2d.next, meta=meta, created=self.created)
         for node in buffers:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        self.entries.append((site.x2d, rank, bits, buffers))
+        self.entries.append((site.x2d, numerics, buffers))
         return buffers
 
 
@@ -64,7 +65,8 @@ def rewrite_grad_weight(
 
     def hla(grad, xq, xs):
         g = grad.t() if transposed else grad
-        out = kernels.hla_grad_weight(g, xq, xs, draw_seed(g), config.rank, config.gw_bits, out_dtype)
+        per_channel = config.gw_quantizer == "per_channel"
+        out = kernels.hla_grad_weight(g, xq, xs, draw_seed(g), config.rank, config.gw_bits, per_channel, out_dtype)
         return out.t() if use.out_transposed else out
 
     return insert_traced(graph, hla, [source, x_q, x_scale], before=use.node, meta=meta, created=created)

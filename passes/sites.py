@@ -50,6 +50,7 @@ class LinearSite:
     module_path: str
     grad_input: MatmulUse | None = None
     grad_weight: MatmulUse | None = None
+    feeds_cross_entropy: bool = False  # the output is the logits of a softmax cross-entropy
 
     @property
     def shapes(self) -> tuple:
@@ -171,6 +172,56 @@ def _classify(mm: fx.Node, site: LinearSite) -> tuple[str, MatmulUse] | None:
     return None
 
 
+def _same_tensor_users(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the nodes that hold its values reshaped or cast (autocast casts logits to fp32)."""
+    found, frontier = [], [node]
+    while frontier:
+        n = frontier.pop()
+        found.append(n)
+        frontier += [u for u in n.users if u.op == "call_function" and u.target in _VIEW_OPS + _CAST_OPS]
+    return found
+
+
+def _single_user(node: fx.Node, target) -> fx.Node | None:
+    users = [u for u in node.users if u.target is target]
+    return users[0] if len(users) == 1 else None
+
+
+def _log_softmax_of(z: fx.Node) -> fx.Node | None:
+    """The node computing ``log_softmax(z, -1)`` from ``z``: ``aten._log_softmax``, or its decomposition
+    ``s − log(Σ exp s)`` with ``s = z − amax(z)``, as it stands in a joint graph."""
+    for user in z.users:
+        if user.target is aten._log_softmax.default:
+            return user
+        if user.target is not aten.sub.Tensor or user.args[0] is not z or not isinstance(user.args[1], fx.Node):
+            continue
+        if user.args[1].target is not aten.amax.default or user.args[1].args[0] is not z:
+            continue
+        exp = _single_user(user, aten.exp.default)
+        total = exp and _single_user(exp, aten.sum.dim_IntList)
+        log = total and _single_user(total, aten.log.default)
+        for result in (log.users if log else ()):
+            if result.target is aten.sub.Tensor and result.args[:2] == (user, log):
+                return result
+    return None
+
+
+_NLL_OPS = (aten.gather.default, aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+
+
+def feeds_cross_entropy(linear: fx.Node) -> bool:
+    """Whether ``linear``'s output (through views and casts) is the logits of a softmax cross-entropy:
+    a log-softmax whose result the negative log-likelihood reads (``gather`` of the target's log-prob
+    once decomposed)."""
+    for z in _same_tensor_users(linear):
+        log_probs = _log_softmax_of(z)
+        if log_probs is not None and any(
+            u.target in _NLL_OPS for n in _same_tensor_users(log_probs) for u in n.users
+        ):
+            return True
+    return False
+
+
 def find_linear_sites(graph: fx.Graph) -> list[LinearSite]:
     """Every forward linear of the joint graph with its backward gradient matmuls."""
     backward = backward_nodes(graph)
@@ -180,7 +231,9 @@ def find_linear_sites(graph: fx.Graph) -> list[LinearSite]:
             continue
         operands = _linear_operands(node)
         if operands is not None:
-            sites.append(LinearSite(node, operands[0], operands[1], module_path(node)))
+            site = LinearSite(node, operands[0], operands[1], module_path(node))
+            site.feeds_cross_entropy = feeds_cross_entropy(node)
+            sites.append(site)
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not aten.mm.default or node not in backward:
             continue

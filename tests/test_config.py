@@ -2,12 +2,23 @@ import pytest
 
 import hot_compile
 from hot_compile import HotConfig
-from hot_compile.config import split_options
+from hot_compile.config import PAPER_RECIPE, split_options
 
 
-def test_defaults_are_the_paper_recipe_under_the_balanced_policy():
+def test_defaults_leave_bits_to_the_device_and_scale_per_slice():
     cfg = HotConfig()
-    assert (cfg.policy, cfg.gx_bits, cfg.gw_bits, cfg.rank, cfg.gx_quantizer) == ("balanced", 4, 8, 8, "per_tensor")
+    assert (cfg.policy, cfg.gx_bits, cfg.gw_bits, cfg.rank) == ("balanced", "auto", 8, 16)
+    assert (cfg.gx_quantizer, cfg.weight_quantizer, cfg.gw_quantizer) == ("per_token", "per_channel", "per_channel")
+    assert cfg.exact_loss_head
+
+
+def test_paper_recipe_is_one_option_away():
+    cfg = HotConfig(**PAPER_RECIPE)
+    assert (cfg.gx_bits, cfg.rank, cfg.gx_quantizer, cfg.weight_quantizer, cfg.gw_quantizer) == (
+        4, 8, "per_tensor", "sawb", "per_tensor",
+    )  # fmt: skip
+    assert not cfg.exact_loss_head
+    assert split_options({"policy": "hot", **PAPER_RECIPE})[0] == cfg.replace(policy="hot")
 
 
 def test_frozen():
@@ -22,11 +33,15 @@ def test_frozen():
         ("gx_bits", 1, "2..8"),
         ("gw_bits", 9, "2..8"),
         ("gx_bits", 4.0, "2..8"),
+        ("gx_bits", "int8", "'auto'"),
+        ("gw_bits", "auto", "2..8"),
+        ("gw_quantizer", "per_token", "'per_channel'"),
+        ("exact_loss_head", "no", "True or False"),
         ("rank", 0, "1..16"),
         ("rank", 17, "1..16"),
         ("rank", True, "1..16"),
         ("gx_quantizer", "per_channel", "'per_token'"),
-        ("weight_quantizer", "nearest", "'stochastic'"),
+        ("weight_quantizer", "nearest", "'per_channel'"),
         ("include", "", "globs"),
         ("exclude", ["blocks.[0"], "globs"),
         ("exclude", 3, "glob"),
@@ -73,15 +88,15 @@ def test_backend_factory_validates():
 
 
 def test_joint_pass_uuid_tracks_config():
-    a, b = hot_compile.joint_pass(HotConfig()), hot_compile.joint_pass(HotConfig(gx_bits=8))
+    a, b = hot_compile.joint_pass(HotConfig()), hot_compile.joint_pass(HotConfig(gx_bits=4))
     assert a.uuid() != b.uuid()
     assert a.uuid() == hot_compile.joint_pass(HotConfig()).uuid()
 
 
 def test_overrides_apply_in_order_later_wins():
-    cfg = HotConfig(overrides={"blocks.*": {"rank": 16, "policy": "speed"}, "blocks.0.*": {"policy": "off"}})
+    cfg = HotConfig(overrides={"blocks.*": {"rank": 8, "policy": "speed"}, "blocks.0.*": {"policy": "off"}})
     assert cfg.for_module("blocks.0.fc1").policy == "off"
-    assert cfg.for_module("blocks.0.fc1").rank == 16
+    assert cfg.for_module("blocks.0.fc1").rank == 8
     assert cfg.for_module("blocks.1.fc1").policy == "speed"
     assert cfg.for_module("head") is cfg
-    assert hash(cfg) == hash(HotConfig(overrides=[("blocks.*", {"policy": "speed", "rank": 16}), ("blocks.0.*", {"policy": "off"})]))
+    assert hash(cfg) == hash(HotConfig(overrides=[("blocks.*", {"policy": "speed", "rank": 8}), ("blocks.0.*", {"policy": "off"})]))

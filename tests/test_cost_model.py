@@ -51,7 +51,7 @@ def test_saved_bytes_are_at_most_an_eighth_of_fp32_at_rank_8(l):
 
 def _decide(path, shape, policy, **config):
     cost = _gx(*shape) if path == "gx" else _gw(*shape)
-    return decide("layer", path, shape[0] * shape[1] * shape[2], cost, HotConfig(policy=policy, **config))
+    return decide(path, shape[0] * shape[1] * shape[2], cost, HotConfig(policy=policy, **config))
 
 
 def test_tiny_sites_kept_with_reason():
@@ -95,7 +95,7 @@ def test_policies_on_a_graph_and_overrides_win():
     assert {(r.path, r.decision) for r in hot_compile.last_report()} == {("gx", "kept"), ("gw", "HLA+ABC")}
 
     torch._dynamo.reset()
-    overridden = base.replace(policy="speed", overrides={"fc2": {"policy": "hot", "rank": 16}})
+    overridden = base.replace(policy="speed", overrides={"fc2": {"policy": "hot", "rank": 8}})
     aot_compile(MLP(), overridden)[0](x).sum().backward()
     fc2 = [r for r in hot_compile.last_report() if r.module == "fc2"]
     assert fc2 and all(r.decision != "kept" for r in fc2)
@@ -140,3 +140,19 @@ def test_narrow_operands_are_priced_at_their_own_rate_where_a_profile_has_one():
     assert [avx2.int8_rate(bits) for bits in (4, 7, 8)] == [avx2.narrow_int8_ops] * 2 + [avx2.int8_ops]
     assert _gx(6272, 768, 3072, avx2, bits=4).hot_s < _gx(6272, 768, 3072, avx2, bits=8).hot_s
     assert CPU.narrow_int8_ops is None and CPU.int8_rate(4) == CPU.int8_rate(8) == CPU.int8_ops
+
+
+@pytest.mark.parametrize(
+    "profile,bits",
+    [("cpu-avx2-2core", 7), ("cpu-sapphire-rapids-2core", 8), ("gpu-h100", 8)],
+)
+def test_auto_bits_are_the_widest_at_the_narrowest_rate(profile, bits):
+    """INT4 has no GEMM of its own on these devices: its operands run through the int8 kernels, so the
+    default takes the widest width that costs the same. On AVX2 the exact uint8 × int8 GEMM stops at
+    7 bits (two ±63 operands: 2·126·63 ≤ 32767)."""
+    from hot_compile.passes.numerics import resolve_numerics
+
+    resolved = devices.BUILTIN_PROFILES[profile]
+    assert resolved.widest_bits_at_narrowest_rate() == bits
+    assert resolve_numerics(HotConfig(), resolved).gx_bits == bits
+    assert resolve_numerics(HotConfig(gx_bits=4), resolved).gx_bits == 4

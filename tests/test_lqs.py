@@ -1,11 +1,14 @@
-"""Layer-wise quantizer selection: calibration rule, side effects, JSON round trip, and the compiled graph."""
+"""Calibration: the rank rule, layer-wise quantizer selection, side effects, JSON round trip, and the
+compiled graph."""
 
 import pytest
 import torch
 import torch.nn as nn
 
+import hot_compile
+
 from hot_compile import HotConfig
-from hot_compile.lqs import LayerChoice, QuantizerPlan, calibrate
+from hot_compile.lqs import LQS_PAPER_THRESHOLD, LayerChoice, QuantizerPlan, calibrate
 from tests.harness import aot_compile
 from tests.models import MLP, Block
 
@@ -44,24 +47,28 @@ def _scaled_one_hot_rows(model, x):
     return (model(x) * direction.view(*x.shape[:-1], 64)).sum()
 
 
-def test_rule_picks_per_token_only_where_it_halves_the_error():
+def _quantizers(plan: QuantizerPlan) -> dict[str, str]:
+    return {module: settings["gx_quantizer"] for module, settings in plan.as_dict().items()}
+
+
+def test_paper_rule_picks_per_token_only_where_it_halves_the_error():
     torch.manual_seed(0)
     probe = Probe()
-    uniform = calibrate(probe, _batches(), _same_row_gradient)
-    assert uniform.as_dict() == {"fc": "per_tensor"}
+    uniform = calibrate(probe, _batches(), _same_row_gradient, LQS_PAPER_THRESHOLD)
+    assert _quantizers(uniform) == {"fc": "per_tensor"}
     assert uniform.layers[0].per_token_error == pytest.approx(uniform.layers[0].per_tensor_error, rel=0.1)
-    varied = calibrate(probe, _batches(), _scaled_one_hot_rows)
-    assert varied.as_dict() == {"fc": "per_token"}
+    varied = calibrate(probe, _batches(), _scaled_one_hot_rows, LQS_PAPER_THRESHOLD)
+    assert _quantizers(varied) == {"fc": "per_token"}
     assert varied.layers[0].per_token_error < 0.05 * varied.layers[0].per_tensor_error
 
 
 def test_threshold_is_the_rule():
     torch.manual_seed(0)
     model = MLP()
-    plan = calibrate(model, _batches(), _mean_square)
+    plan = calibrate(model, _batches(), _mean_square, LQS_PAPER_THRESHOLD)
     ratio = max(c.per_token_error / c.per_tensor_error for c in plan.layers)
     loose = calibrate(model, _batches(), _mean_square, threshold=min(1.0, ratio * 1.01))
-    assert set(loose.as_dict().values()) == {"per_token"}
+    assert set(_quantizers(loose).values()) == {"per_token"}
     with pytest.raises(ValueError, match="threshold"):
         calibrate(model, _batches(), _mean_square, threshold=0)
 
@@ -90,9 +97,9 @@ def test_plan_is_deterministic_and_round_trips_through_json(tmp_path):
     plan.save(path)
     loaded = QuantizerPlan.load(path)
     assert loaded == plan and repr(loaded) == repr(plan) and hash(loaded) == hash(plan)
-    assert loaded.source == plan.source and "threshold 0.5" in loaded.source
+    assert loaded.source == plan.source and "threshold 1.0" in loaded.source
     assert loaded.quantizer_for("mlp.fc1") == plan.quantizer_for("mlp.fc1")
-    assert loaded.quantizer_for("no.such.layer") is None
+    assert loaded.quantizer_for("no.such.layer") is None and loaded.settings_for("no.such.layer") == {}
 
 
 def test_plan_order_does_not_matter_and_bad_plans_fail(tmp_path):
@@ -103,6 +110,8 @@ def test_plan_order_does_not_matter_and_bad_plans_fail(tmp_path):
         QuantizerPlan((a, a), "hand-made")
     with pytest.raises(ValueError, match="per_tensor"):
         LayerChoice("a", "per_channel", 1.0, 1.0)
+    with pytest.raises(ValueError, match="rank"):
+        LayerChoice("a", "per_token", 1.0, 1.0, rank=32)
     path = tmp_path / "other.json"
     path.write_text('{"layers": []}')
     with pytest.raises(ValueError, match="QuantizerPlan"):
@@ -135,8 +144,75 @@ def test_plan_changes_the_compiled_quantizer(tmp_path, as_file):
         compiled(x).square().mean().backward()
         return graphs
 
-    base = HotConfig(policy="hot", strict=True)
+    base = HotConfig(policy="hot", strict=True, gx_quantizer="per_tensor")
     without = compile_with(base)
     assert [_hq_gradient_scales(without, m) for m in ("fc1", "fc2")] == ["per_tensor", "per_tensor"]
     with_plan = compile_with(base.replace(plan=str(tmp_path / "plan.json") if as_file else plan))
     assert [_hq_gradient_scales(with_plan, m) for m in ("fc1", "fc2")] == ["per_tensor", "per_token"]
+
+
+class TokenProbe(nn.Module):
+    """Two linears on one input: the evidence for a rank is per layer and per data."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 64)
+        self.fc2 = nn.Linear(64, dim)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _image_like(count, seed):
+    """Tokens of a smooth field: 16-token blocks of neighbours that differ little (patches of a
+    natural image, frames of audio)."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.arange(64, dtype=torch.float32)[:, None] / 64
+    out = []
+    for _ in range(count):
+        freq = torch.rand(4, 1, 32, generator=gen) * 2
+        phase = torch.rand(4, 1, 32, generator=gen) * 6.28
+        out.append(torch.sin(6.28 * freq * t + phase) + 0.01 * torch.randn(4, 64, 32, generator=gen))
+    return out
+
+
+def _text_like(count, seed):
+    """Tokens drawn independently from a vocabulary of embeddings: neighbours are unrelated."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = torch.randn(256, 32, generator=gen)
+    return [vocab[torch.randint(0, 256, (4, 64), generator=gen)] for _ in range(count)]
+
+
+def _smooth_target_loss(model, x):
+    # A smooth per-token target, so the upstream gradient is as smooth along tokens as the input.
+    return (model(x) - x.roll(1, dims=1)).square().mean()
+
+
+def test_rank_follows_the_data_image_like_tokens_get_rank_8_text_like_ones_keep_16():
+    torch.manual_seed(0)
+    model = TokenProbe()
+    image = calibrate(model, _image_like(4, 1), _smooth_target_loss)
+    text = calibrate(model, _text_like(4, 1), _smooth_target_loss)
+    assert {c.module: c.rank for c in image.layers} == {"fc1": 8, "fc2": 8}
+    assert {c.module: c.rank for c in text.layers} == {"fc1": None, "fc2": None}
+    for image_choice, text_choice in zip(image.layers, text.layers):
+        assert image_choice.rank8_error <= 0.1 * image_choice.sampling_spread
+        assert text_choice.rank8_error > 0.1 * text_choice.sampling_spread
+    assert image.settings_for("fc1")["rank"] == 8 and "rank" not in text.settings_for("fc1")
+
+
+def test_one_batch_measures_no_spread_and_keeps_the_rank():
+    plan = calibrate(TokenProbe(), _image_like(1, 1), _smooth_target_loss)
+    assert all(c.rank is None and c.sampling_spread is None and c.rank8_error is not None for c in plan.layers)
+
+
+def test_calibrated_rank_reaches_the_compiled_graph_and_the_report():
+    torch.manual_seed(0)
+    model = TokenProbe()
+    plan = calibrate(model, _image_like(4, 1), _smooth_target_loss)
+    compiled, graphs = aot_compile(model, HotConfig(policy="hot", strict=True, plan=plan))
+    _smooth_target_loss(compiled, _image_like(1, 2)[0]).backward()
+    compress = [n for n in graphs.joint.graph.nodes if n.target is torch.ops.hot_compile.compress_activation.default]
+    assert [n.args[1] for n in compress] == [8, 8]  # the ranks of fc1's and fc2's inputs
+    rows = [r for r in hot_compile.last_report() if r.path == "gw"]
+    assert rows and all(r.decision == "HLA+ABC" and "rank 8 (plan)" in r.numerics for r in rows)

@@ -8,16 +8,20 @@ from tests.data import make, rel_err
 SEED = torch.tensor(7)
 
 
+# One scale per tensor, per row (a token of g) and per column (a channel of P·x, or of B·W).
+SCALE_SHAPES = {None: (), -1: (33, 1), 0: (1, 40)}
+
+
 @pytest.mark.parametrize("bits", range(2, 9))
-@pytest.mark.parametrize("per_token", [False, True])
-def test_stochastic_matches_reference_and_range(bits, per_token):
+@pytest.mark.parametrize("dim", SCALE_SHAPES)
+def test_stochastic_matches_reference_and_range(bits, dim):
     v = make("gaussian", 33, 40)
-    q, s = quant.quantize_stochastic(v, bits, SEED, per_token=per_token)
+    q, s = quant.quantize_stochastic(v, bits, SEED, dim=dim)
     assert q.dtype == torch.int8 and s.dtype == torch.float32
-    assert s.shape == ((33, 1) if per_token else ())
+    assert s.shape == SCALE_SHAPES[dim]
     qm = 2 ** (bits - 1) - 1
     assert q.abs().max() <= qm
-    ref_q, ref_s = reference.stochastic(v, bits, quant.hash_uniform(v, SEED), per_token)
+    ref_q, ref_s = reference.stochastic(v, bits, quant.hash_uniform(v, SEED), dim)
     torch.testing.assert_close(s.double(), ref_s, rtol=1e-6, atol=0)
     assert (q.double() != ref_q).float().mean() <= tol.LEVEL_MISMATCH_FRACTION
 
@@ -25,7 +29,12 @@ def test_stochastic_matches_reference_and_range(bits, per_token):
 @pytest.mark.parametrize("bits", range(2, 9))
 def test_sawb_and_nearest_match_reference(bits):
     v = make("lognormal", 50, 30)
-    for fast, ref in ((quant.quantize_sawb, reference.sawb), (quant.quantize_nearest, reference.nearest)):
+    quantizers = (
+        (quant.quantize_sawb, reference.sawb),
+        (quant.quantize_nearest, reference.nearest),
+        (lambda v, bits: quant.quantize_nearest(v, bits, dim=0), lambda v, bits: reference.nearest(v, bits, 0)),
+    )
+    for fast, ref in quantizers:
         q, s = fast(v, bits)
         ref_q, ref_s = ref(v, bits)
         torch.testing.assert_close(s.double(), ref_s, rtol=1e-5, atol=0)
@@ -52,7 +61,7 @@ def test_bad_bits_rejected(bits):
 
 def _all_quantizers(v):
     yield quant.quantize_stochastic(v, 4, SEED)
-    yield quant.quantize_stochastic(v, 4, SEED, per_token=True)
+    yield quant.quantize_stochastic(v, 4, SEED, dim=-1)
     yield quant.quantize_sawb(v, 4)
     yield quant.quantize_nearest(v, 8)
 
@@ -73,14 +82,13 @@ def test_non_finite_input_gives_non_finite_dequantized(bad):
         assert not torch.isfinite(deq[2]).all()
 
 
-@pytest.mark.parametrize("per_token", [False, True])
-def test_stochastic_rounding_is_unbiased(per_token):
+@pytest.mark.parametrize("dim", SCALE_SHAPES)
+def test_stochastic_rounding_is_unbiased(dim):
     v = make("gaussian", 10, 100)
     mean = sum(
-        quant.dequantize(*quant.quantize_stochastic(v, 4, torch.tensor(s), per_token=per_token))
-        for s in range(tol.SR_DRAWS)
+        quant.dequantize(*quant.quantize_stochastic(v, 4, torch.tensor(s), dim=dim)) for s in range(tol.SR_DRAWS)
     ) / tol.SR_DRAWS
-    single = rel_err(quant.dequantize(*quant.quantize_stochastic(v, 4, SEED, per_token=per_token)), v)
+    single = rel_err(quant.dequantize(*quant.quantize_stochastic(v, 4, SEED, dim=dim)), v)
     reached = rel_err(mean, v)
     print(f"SR mean of {tol.SR_DRAWS} draws: rel err {reached:.4f} (one draw {single:.3f}, bound {tol.SR_MEAN})")
     assert reached < tol.SR_MEAN

@@ -23,18 +23,19 @@ import torch
 import hot_compile
 from hot_compile import HotConfig, devices
 from hot_compile.passes.cost_model import grad_input_cost, grad_weight_cost
+from hot_compile.passes.numerics import resolve_numerics
 
 TOKENS = (64, 512, 2048, 6272)
 FEATURES = ((64, 64), (256, 256), (384, 1536), (768, 768), (768, 3072), (3072, 768), (1024, 4096), (128, 2048), (2048, 128))
 
 
-def predict(l: int, k: int, n: int, profile: devices.DeviceProfile, rank: int = 8) -> tuple[float, float]:
+def predict(l: int, k: int, n: int, profile: devices.DeviceProfile) -> tuple[float, float]:
     """Estimated seconds (original, HOT) of one linear layer's grad_input + grad_weight, fp32, at the
-    default bit widths."""
+    default numerics resolved for ``profile``."""
     flops = profile.matmul_rate(torch.float32)
-    config = HotConfig()
+    config = resolve_numerics(HotConfig(), profile)
     gx = grad_input_cost(l, n, k, 4, flops, profile, config.gx_bits)
-    gw = grad_weight_cost(l, n, k, rank, 4, flops, profile, config.gw_bits)
+    gw = grad_weight_cost(l, n, k, config.rank, 4, flops, profile, config.gw_bits)
     return gx.original_s + gw.original_s, gx.hot_s + gw.hot_s
 
 

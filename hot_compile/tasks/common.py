@@ -98,6 +98,13 @@ class RunResult:
         return self.evals[-1][1] if self.evals else {}
 
     @property
+    def rewritten_fraction(self) -> float | None:
+        """The share of the model's linear backward products the HOT pass rewrote (its report rows)."""
+        if not self.report:
+            return None
+        return sum(r.decision != "kept" for r in self.report) / len(self.report)
+
+    @property
     def first_step_seconds(self) -> float:
         """The first step, which includes compiling the forward and the backward."""
         return self.step_seconds[0]
@@ -116,9 +123,20 @@ class RunResult:
             "first_step_seconds": self.first_step_seconds,
             "median_step_seconds": self.median_step_seconds,
             "saved_activation_bytes": self.saved_bytes,
+            "rewritten_fraction": self.rewritten_fraction,
             "report": None if self.report is None else [r.as_dict() for r in self.report],
             "plan": None if self.plan is None else self.plan.as_dict(),
         }
+
+
+def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    """Accuracy in percent and mean cross-entropy; the test split's keys are ``accuracy`` and
+    ``test_loss``, another split's carry ``prefix`` (``val_accuracy``, ``val_loss``)."""
+    loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    return {
+        f"{prefix}accuracy": 100.0 * (logits.argmax(-1) == labels).float().mean().item(),
+        f"{prefix}loss" if prefix else "test_loss": loss,
+    }
 
 
 def saved_activation_bytes(model: nn.Module, batch: Batch) -> int:

