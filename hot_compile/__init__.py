@@ -14,7 +14,7 @@ import torch  # noqa: F401
 
 from . import hadamard, kernels, ops, quant
 from .backend import backend
-from .config import HotConfig
+from .config import PAPER_RECIPE, HotConfig
 from .inspection import HotInspectionWarning
 from .lqs import QuantizerPlan, calibrate
 from .passes import HotPassWarning, joint_pass
@@ -24,6 +24,7 @@ __all__ = [
     "HotConfig",
     "HotInspectionWarning",
     "HotPassWarning",
+    "PAPER_RECIPE",
     "QuantizerPlan",
     "Report",
     "SiteRow",

@@ -610,7 +610,8 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
                 lines += [
                     "",
                     f"{r['variant']}: each rewritten linear keeps at most "
-                    f"{r['abc_saved_vs_fp32_input_max']:.4f} × the bytes of its float32 input (1/8 = 0.125).",
+                    f"{r['abc_saved_vs_fp32_input_max']:.4f} × the bytes of its float32 input "
+                    "(rank r keeps r/64 plus one scale per channel: 1/4 at rank 16, 1/8 at rank 8).",
                 ]
     for name, why in result.get("skipped", {}).items():
         lines += ["", f"**{name}**: skipped, {why}."]

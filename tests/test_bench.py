@@ -44,9 +44,10 @@ def test_cli_runs_mlp_and_vit_and_writes_table_json_chart(tmp_path):
             assert all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) for k in FIGURES), row
             assert len(row["bwd_ms_all"]) == bench.TINY["repeats"]
         assert rows["inductor-fp32"]["bwd_vs_inductor_fp32"] == 1
-        # HOT saves the int8 low-rank buffer instead of the float32 inputs of its linears.
+        # HOT saves an int8 buffer instead of the float32 inputs of its linears: a quarter of the bytes
+        # at the default rank 16, plus one float32 scale per channel (small next to the tokens).
         assert rows["hot-fp32"]["saved_bytes"] < rows["inductor-fp32"]["saved_bytes"]
-        assert rows["hot-fp32"]["hot_sites"] and rows["hot-fp32"]["abc_saved_vs_fp32_input_max"] < 0.2
+        assert rows["hot-fp32"]["hot_sites"] and rows["hot-fp32"]["abc_saved_vs_fp32_input_max"] < 0.3
         assert rows["inductor-fp32"]["grad_rel_err"] < 1e-4
         assert rows["inductor-fp32"]["kernel_build_s"] == 0 <= rows["hot-fp32"]["kernel_build_s"]
 

@@ -55,6 +55,10 @@ E2E_GRAD = INT8_PER_SLICE_PRODUCT * (1 + MAX_STACKED_GRAD_INPUTS) ** 0.5
 # The same with rank 8 on token-smooth inputs, where the low-rank cut adds its own small error.
 E2E_GRAD_RANK8_SMOOTH = E2E_GRAD + HLA_RANK8_SMOOTH
 
+# HOT's gradient error on a real loss, as a fraction of the mini-batch sampling noise: 0.1 adds at
+# most 1% to the variance of the gradient (hot_compile.tasks.gradient_noise).
+GRADIENT_ERROR_PER_SAMPLING_NOISE = 0.1
+
 # Training tasks: both backends start from one model and one batch, and HOT changes only the
 # backward, so their first losses agree up to Inductor fusing the forward differently.
 TASK_FIRST_LOSS_RTOL = 1e-5

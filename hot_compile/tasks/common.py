@@ -82,6 +82,8 @@ class Task(Protocol):
 
     def calibration_batches(self) -> list[Batch]: ...
 
+    def draw(self, count: int, generator: torch.Generator) -> Batch: ...
+
 
 @dataclasses.dataclass
 class RunResult:

@@ -83,19 +83,20 @@ class ByteLMTask:
     def build_model(self) -> nn.Module:
         return GPT(self.size)
 
-    def _sample(self, generator: torch.Generator) -> Batch:
+    def draw(self, count: int, generator: torch.Generator) -> Batch:
+        """``count`` training windows at random positions."""
         span = self.size.context + 1
-        starts = torch.randint(0, len(self.train_data) - span, (self.size.batch,), generator=generator)
+        starts = torch.randint(0, len(self.train_data) - span, (count,), generator=generator)
         rows = torch.stack([self.train_data[s : s + span] for s in starts.tolist()])
         return rows[:, :-1], rows[:, 1:]
 
     def batches(self, generator: torch.Generator) -> Iterator[Batch]:
         while True:
-            yield self._sample(generator)
+            yield self.draw(self.size.batch, generator)
 
     def calibration_batches(self, count: int = 4) -> list[Batch]:
         generator = torch.Generator().manual_seed(0x5EED)
-        return [self._sample(generator) for _ in range(count)]
+        return [self.draw(self.size.batch, generator) for _ in range(count)]
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         def mean_loss(windows: torch.Tensor) -> float:

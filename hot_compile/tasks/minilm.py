@@ -145,6 +145,11 @@ class DocTopicTask:
                 idx = order[start : start + b]
                 yield tuple(t[idx] for t in self.train)
 
+    def draw(self, count: int, generator: torch.Generator) -> Batch:
+        """``count`` distinct training sentences."""
+        idx = torch.randperm(len(self.train[2]), generator=generator)[:count]
+        return tuple(t[idx] for t in self.train)
+
     def calibration_batches(self, count: int = 4) -> list[Batch]:
         data = self.batches(torch.Generator().manual_seed(0x5EED))
         return [next(data) for _ in range(count)]

@@ -117,6 +117,11 @@ class DigitsTask:
                 idx = order[start : start + b]
                 yield self.train_images[idx], self.train_labels[idx]
 
+    def draw(self, count: int, generator: torch.Generator) -> Batch:
+        """``count`` distinct training images."""
+        idx = torch.randperm(len(self.train_labels), generator=generator)[:count]
+        return self.train_images[idx], self.train_labels[idx]
+
     def calibration_batches(self, count: int = 4) -> list[Batch]:
         data = self.batches(torch.Generator().manual_seed(0x5EED))
         return [next(data) for _ in range(count)]
