@@ -503,8 +503,8 @@ class JointGraphInspection:
         log.info("HOT pass: %s", LazyString(summary, report))
         for row in report.rows:
             log.debug(
-                "HOT site %s %s %s %s: %s (why: %s)",
-                row.module or "(root)", row.path, row.shape, row.dtype, row.decision, row.reason,
+                "HOT site %s %s %s %s: %s, numerics %s (why: %s)",
+                row.module or "(root)", row.path, row.shape, row.dtype, row.decision, row.numerics, row.reason,
             )  # fmt: skip
         decisions_log.debug("%s", LazyString(report.table))
         trace_structured(
