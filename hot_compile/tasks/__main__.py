@@ -1,5 +1,6 @@
 """``python -m hot_compile.tasks TASK``: train a task with inductor fp32 and hot side by side and print
-the comparison (the numbers in BENCHMARKS.md). ``ablation`` runs task 1 with each part of HOT alone."""
+the comparison (the numbers in BENCHMARKS.md). ``ablation`` runs task 1 with each part of HOT alone;
+``gradient-error`` measures one step's gradient error of every task against its sampling noise."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from . import runner
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hot_compile.tasks", description=__doc__)
-    parser.add_argument("task", choices=[*runner.TASKS, "ablation"])
+    parser.add_argument("task", choices=[*runner.TASKS, "ablation", "gradient-error"])
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the task's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="tiny model and data, a few steps")
     parser.add_argument("--json", metavar="PATH", help="also write every number (curves, reports) as JSON")
     args = parser.parse_args(argv)
+    if args.task == "gradient-error":
+        return _gradient_errors(args)
 
     name = "gpt" if args.task == "ablation" else args.task
     variants = runner.ablation_variants(runner.spec("gpt").hot) if args.task == "ablation" else None
@@ -32,6 +35,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(runner.to_json(task, results) + "\n")
+    return 0
+
+
+def _gradient_errors(args: argparse.Namespace) -> int:
+    import json
+
+    from .gradient_noise import gradient_error
+
+    measured = {}
+    for name in runner.TASKS:
+        spec = runner.spec(name)
+        options = {"policy": spec.hot.policy}
+        result = gradient_error(spec.build(args.tiny), options, seed=args.seed)
+        measured[name] = {"options": options, **result.as_dict()}
+        print(
+            f"{name}: gradient error {result.error:.4f}, sampling noise {result.sampling_noise:.4f} "
+            f"(ratio {result.ratio:.3f}), {result.rewritten}/{result.sites} products rewritten",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(json.dumps(measured, indent=2) + "\n")
     return 0
 
 
