@@ -94,7 +94,8 @@ class HotConfig:
             INT4, the baseline the paper argues against).
         strict: raise on a pass failure instead of warning and compiling the graph unchanged.
         plan: a :class:`~hot_compile.lqs.QuantizerPlan` (or the path of one saved as JSON) from
-            :func:`hot_compile.calibrate`: per-layer ``gx_quantizer``; ``overrides`` still win.
+            :func:`hot_compile.calibrate`: per-layer ``gx_quantizer`` and, where the data allow it,
+            ``rank``; ``overrides`` still win.
         dump_dir: folder for per-graph dumps of what the pass did (default: env ``HOT_DUMP_DIR``).
     """
 
