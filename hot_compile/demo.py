@@ -131,9 +131,8 @@ def run(args: argparse.Namespace) -> int:
         f"({hot.saved_bytes / reference.saved_bytes:.2f}×)"
     )
     if hot.report is not None:
-        rewritten = sum(r.decision != "kept" for r in hot.report)
         print(
-            f"backward products rewritten: {rewritten} of {len(hot.report)} "
+            f"backward products rewritten: {len(hot.report.rewritten())} of {len(hot.report)} "
             f"({100 * hot.rewritten_fraction:.0f}%)\n\n{hot.report.table()}"
         )
     else:

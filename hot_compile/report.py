@@ -87,6 +87,10 @@ class Report:
     def select(self, *, path: str | None = None, decision: str | None = None) -> list[SiteRow]:
         return [r for r in self.rows if (path is None or r.path == path) and (decision is None or r.decision == decision)]
 
+    def rewritten(self) -> list[SiteRow]:
+        """The rows whose product the pass replaced (HQ or HLA+ABC)."""
+        return [r for r in self.rows if r.decision != "kept"]
+
     def cells(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
         """Column headers and the formatted cells of every row (for text, Markdown or rich tables)."""
         return _HEADERS, [tuple(_fmt_cell(c, getattr(r, c)) for c in _COLUMNS) for r in self.rows]

@@ -95,7 +95,8 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
     planned: list[_Planned] = []
     try:
         for site in find_linear_sites(graph):
-            site_config = config.for_module(site.module_path)
+            profile = _profile(site, config, profiles)
+            site_config = resolve_numerics(config.for_module(site.module_path), profile)
             for path, use in (("gx", site.grad_input), ("gw", site.grad_weight)):
                 if use is None:
                     continue
@@ -104,8 +105,6 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
                 if skipped:
                     planned.append(_Planned(site, site_config, path, "kept", skipped, None))
                     continue
-                profile = _profile(site, site_config, profiles)
-                site_config = resolve_numerics(site_config, profile)
                 mnk, cost = _estimate(site, path, site_config, profile)
                 decision = decide(path, mnk, cost, site_config)
                 entry = _Planned(site, site_config, path, "kept", decision.reason, cost)

@@ -104,7 +104,7 @@ class RunResult:
         """The share of the model's linear backward products the HOT pass rewrote (its report rows)."""
         if not self.report:
             return None
-        return sum(r.decision != "kept" for r in self.report) / len(self.report)
+        return len(self.report.rewritten()) / len(self.report)
 
     @property
     def first_step_seconds(self) -> float:

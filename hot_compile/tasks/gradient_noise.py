@@ -66,5 +66,6 @@ def gradient_error(
     compiled = torch.compile(model, backend="hot", options=options)
     error = ((_gradient(compiled, small) - exact).norm() / exact.norm()).item()
     report = hot_compile.last_report()
-    rows = list(report) if report is not None else []
-    return GradientError(error, noise, sum(r.decision != "kept" for r in rows), len(rows))
+    if report is None:
+        return GradientError(error, noise, 0, 0)
+    return GradientError(error, noise, len(report.rewritten()), len(report))
