@@ -8,6 +8,11 @@ Here a site adds one extern call to the model's graph. The implementation, :mod:
 compiled by Inductor with dynamic shapes, is built once per process and configuration (later
 processes find it in Inductor's FX graph cache) and serves every site, layer shape and model.
 
+On the CPU each op has its own kernel (``register_kernel("cpu")``) on the fused native loops of
+:mod:`hot_compile.cpu_native` and the integer GEMM of :func:`hot_compile.ops.int8_matmul`, with the
+same numerics: there Inductor's code for the composites spent more time than the GEMM. The
+shape-generic compile serves the other devices.
+
 Each op accepts inputs of any strides and returns contiguous outputs, as its fake implementation
 declares.
 """
@@ -22,8 +27,9 @@ import torch
 from torch import Tensor
 from torch._dynamo.utils import counters
 
-from . import ops
-from .hadamard import BLOCK, lowpass_rows, tail_basis
+from . import cpu_native, ops
+from .hadamard import BLOCK, hadamard_matrix, lowpass_rows, padded_length, tail_basis, walsh_basis
+from .quant import guard_scale, qmax, sawb_clip_of_moments
 
 # Joint-graph passes installed in Inductor's global config (HOT's own among them) are for models'
 # graphs, not for these kernels.
@@ -68,13 +74,13 @@ def _run(fn: Callable, *tensors: Tensor, **settings):
 
 
 def build_seconds() -> float:
-    """Seconds this process has spent in calls of HOT's ops that built a kernel (the first call of
-    each configuration, whole): the part of a first training step that is not the model's compile."""
-    return _build_seconds
+    """Seconds this process has spent building the kernels of HOT's ops (the first call of each
+    configuration, whole, and the CPU library): the part of a first training step that is not the
+    model's compile."""
+    return _build_seconds + cpu_native.build_seconds
 
 
-@torch.library.custom_op("hot_compile::hq_grad_input", mutates_args=())
-def hq_grad_input(
+def compiled_hq_grad_input(
     grad_output: Tensor,
     weight: Tensor,
     seed: Tensor,
@@ -84,7 +90,7 @@ def hq_grad_input(
     hadamard: bool,
     weight_quantizer: str,
 ) -> Tensor:
-    """:func:`hot_compile.ops.hq_grad_input` as one op: ``[..., N] × [N, K] → [..., K]``."""
+    """:func:`hot_compile.ops.hq_grad_input` by the shape-generic compile: ``[..., N] × [N, K] → [..., K]``."""
     return _run(
         ops.hq_grad_input,
         grad_output,
@@ -96,6 +102,9 @@ def hq_grad_input(
         hadamard=hadamard,
         weight_quantizer=weight_quantizer,
     ).contiguous()
+
+
+hq_grad_input = torch.library.custom_op("hot_compile::hq_grad_input", compiled_hq_grad_input, mutates_args=())
 
 
 @hq_grad_input.register_fake
@@ -114,13 +123,17 @@ def _tail_basis(t: Tensor, rank: int) -> Tensor:
     return _cached_tail_basis(t.numel() // t.shape[-1] % BLOCK, rank, t.device)
 
 
-@torch.library.custom_op("hot_compile::compress_activation", mutates_args=())
-def compress_activation(x: Tensor, rank: int, bits: int, per_channel: bool) -> tuple[Tensor, Tensor]:
-    """:func:`hot_compile.ops.compress_activation` as one op: ``[..., K] → ([⌊r·L/16⌋ at most, K] int8,
-    scale [1, K] or 0-d)``."""
+def compiled_compress_activation(x: Tensor, rank: int, bits: int, per_channel: bool) -> tuple[Tensor, Tensor]:
+    """:func:`hot_compile.ops.compress_activation` by the shape-generic compile: ``[..., K] →
+    ([⌊r·L/16⌋ at most, K] int8, scale [1, K] or 0-d)``."""
     tail = _tail_basis(x, rank)
     x_q, scale = _run(ops.compress_activation, x, tail, rank=rank, bits=bits, per_channel=per_channel)
     return x_q.contiguous(), scale.contiguous()
+
+
+compress_activation = torch.library.custom_op(
+    "hot_compile::compress_activation", compiled_compress_activation, mutates_args=()
+)
 
 
 @compress_activation.register_fake
@@ -130,8 +143,7 @@ def _(x, rank, bits, per_channel):
     return x.new_empty(rows, x.shape[-1], dtype=torch.int8), x.new_empty(scale_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("hot_compile::hla_grad_weight", mutates_args=())
-def hla_grad_weight(
+def compiled_hla_grad_weight(
     grad_output: Tensor,
     x_q: Tensor,
     x_scale: Tensor,
@@ -141,7 +153,8 @@ def hla_grad_weight(
     per_channel: bool,
     out_dtype: torch.dtype,
 ) -> Tensor:
-    """:func:`hot_compile.ops.hla_grad_weight` as one op: ``[..., N]`` and the ABC buffer → ``[N, K]``."""
+    """:func:`hot_compile.ops.hla_grad_weight` by the shape-generic compile: ``[..., N]`` and the ABC buffer
+    → ``[N, K]``."""
     tail = _tail_basis(grad_output, rank)
     return _run(
         ops.hla_grad_weight,
@@ -157,6 +170,84 @@ def hla_grad_weight(
     ).contiguous()
 
 
+hla_grad_weight = torch.library.custom_op("hot_compile::hla_grad_weight", compiled_hla_grad_weight, mutates_args=())
+
+
 @hla_grad_weight.register_fake
 def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
     return grad_output.new_empty(grad_output.shape[-1], x_q.shape[1], dtype=out_dtype)
+
+
+# ------------------------------------------------------------------------------------------ CPU kernels
+
+
+@functools.cache
+def _basis(kind: str, rank: int = BLOCK) -> Tensor:
+    """A ``[rank, 16]`` float32 basis of :func:`cpu_native.quantize_columns`."""
+    if kind == "hadamard":
+        return hadamard_matrix()
+    if kind == "identity":
+        return torch.eye(BLOCK)
+    return walsh_basis(rank)
+
+
+def _integer_product(a_bits: int, b_bits: int) -> Callable[[Tensor, Tensor], Tensor]:
+    return functools.partial(ops.int8_matmul, a_max=qmax(a_bits), b_max=qmax(b_bits))
+
+
+def _quantize_weight(weight: Tensor, width: int, bits: int, quantizer: str, hadamard: bool, seed: Tensor):
+    """HQ's ``q(BW)`` (``[width, K]``) and its scale: :func:`hot_compile.ops.hq_grad_input`'s weight side."""
+    basis = _basis("hadamard" if hadamard else "identity")
+    amax, abs_sum, square_sum = cpu_native.column_statistics(weight, basis, basis, width)
+    qm = qmax(bits)
+    if quantizer == "sawb":
+        count = width * weight.shape[1]
+        scale = guard_scale(sawb_clip_of_moments(square_sum.sum() / count, abs_sum.sum() / count, amax.amax()) / qm)
+    else:
+        scale = guard_scale((amax if quantizer == "per_channel" else amax.amax()) / qm)
+    offset = cpu_native.noise_offset(seed, ops.SALT_WEIGHT)
+    stochastic = quantizer != "sawb"
+    q = cpu_native.quantize_columns(weight, basis, basis, width, bits, scale, stochastic=stochastic, offset=offset)
+    return q, scale
+
+
+@hq_grad_input.register_kernel("cpu")
+def _(grad_output, weight, seed, grad_bits, weight_bits, per_token, hadamard, weight_quantizer):
+    n, k = weight.shape
+    g2 = grad_output.reshape(-1, n)
+    width = padded_length(n) if hadamard else n
+    offset = cpu_native.noise_offset(seed, ops.SALT_GRAD_INPUT)
+    qg, sg = cpu_native.quantize_rows(g2, grad_bits, width=width, hadamard=hadamard, per_row=per_token, offset=offset)
+    qw, sw = _quantize_weight(weight, width, weight_bits, weight_quantizer, hadamard, seed)
+    product = _integer_product(grad_bits, weight_bits)
+    out = cpu_native.matmul_dequantized(qg, qw, sg, sw, BLOCK if hadamard else 1, grad_output.dtype, product)
+    return out.view(*grad_output.shape[:-1], k)
+
+
+def _lowpass_columns(x: Tensor, rank: int) -> tuple[Tensor, Tensor, int]:
+    """``x`` as ``[L, K]``, and the basis, tail and row count of its rank-``rank`` low-pass projection."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2, _tail_basis(x2, rank), lowpass_rows(x2.shape[0], rank)
+
+
+@compress_activation.register_kernel("cpu")
+def _(x, rank, bits, per_channel):
+    x2, tail, rows = _lowpass_columns(x, rank)
+    basis = _basis("walsh", rank)
+    amax, _, _ = cpu_native.column_statistics(x2, basis, tail, rows)
+    scale = guard_scale((amax if per_channel else amax.amax()) / qmax(bits))
+    q = cpu_native.quantize_columns(x2, basis, tail, rows, bits, scale, stochastic=False)
+    return q, scale.view(1, -1) if per_channel else scale
+
+
+@hla_grad_weight.register_kernel("cpu")
+def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
+    g2, tail, rows = _lowpass_columns(grad_output, rank)
+    basis = _basis("walsh", rank)
+    amax, _, _ = cpu_native.column_statistics(g2, basis, tail, rows)
+    scale = guard_scale((amax if per_channel else amax.amax()) / qmax(bits))
+    offset = cpu_native.noise_offset(seed, ops.SALT_GRAD_WEIGHT)
+    qg = cpu_native.quantize_columns(g2, basis, tail, rows, bits, scale, stochastic=True, offset=offset)
+    # grad_W = q(P g)ᵀ q(P x): the rows of the product are g's channels, scaled by g's scales.
+    product = _integer_product(bits, bits)
+    return cpu_native.matmul_dequantized(qg.t(), x_q, scale, x_scale.contiguous(), BLOCK, out_dtype, product)

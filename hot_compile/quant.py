@@ -128,8 +128,12 @@ def sawb_clip(v: torch.Tensor) -> torch.Tensor:
     """
     v = v.float()
     mag = v.abs()
-    amax = mag.amax()
-    clip = SAWB_C1 * torch.sqrt((v * v).mean()) - SAWB_C2 * mag.mean()
+    return sawb_clip_of_moments((v * v).mean(), mag.mean(), mag.amax())
+
+
+def sawb_clip_of_moments(mean_square: torch.Tensor, mean_abs: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """:func:`sawb_clip` from ``E[v²]``, ``E[|v|]`` and ``max|v|``."""
+    clip = SAWB_C1 * torch.sqrt(mean_square) - SAWB_C2 * mean_abs
     return torch.where(clip > 0, torch.minimum(clip, amax), amax)
 
 

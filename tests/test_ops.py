@@ -13,6 +13,30 @@ L, N, K = 400, 136, 72  # neither L nor N a multiple of 16
 PAPER_HQ = dict(grad_bits=4, weight_bits=4, per_token=False, weight_quantizer="sawb")
 
 
+class _CpuKernels:
+    """HOT's custom ops, whose CPU kernels are the fused loops of :mod:`hot_compile.cpu_native`, called
+    like the functions of :mod:`hot_compile.ops`."""
+
+    @staticmethod
+    def hq_grad_input(g, w, seed, *, grad_bits=8, weight_bits=8, per_token=True, hadamard=True, weight_quantizer="per_channel"):
+        return kernels.hq_grad_input(g, w, seed, grad_bits, weight_bits, per_token, hadamard, weight_quantizer)
+
+    @staticmethod
+    def compress_activation(x, *, rank=16, bits=8, per_channel=True):
+        return kernels.compress_activation(x, rank, bits, per_channel)
+
+    @staticmethod
+    def hla_grad_weight(g, xq, xs, seed, *, rank=16, bits=8, per_channel=True, out_dtype=None):
+        return kernels.hla_grad_weight(g, xq, xs, seed, rank, bits, per_channel, out_dtype or g.dtype)
+
+
+@pytest.fixture(params=["composite", "cpu_kernel"])
+def impl(request):
+    """Each test of the numerics runs on both implementations of HOT's ops: the aten composites (what
+    other devices compile) and the CPU kernels."""
+    return ops if request.param == "composite" else _CpuKernels
+
+
 def _operands(kind, seed=0):
     g = make(kind, L, N, seed)
     w = make("gaussian", N, K, seed + 1) / N**0.5
@@ -24,11 +48,11 @@ def _operands(kind, seed=0):
 @pytest.mark.parametrize("weight_quantizer", ["per_channel", "stochastic", "sawb"])
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("shape", [(L,), (5, 80), (2, 4, 50)])
-def test_hq_matches_reference_2d_and_nd(per_token, shape, weight_quantizer, bits):
+def test_hq_matches_reference_2d_and_nd(impl, per_token, shape, weight_quantizer, bits):
     g = make("gaussian", int(torch.tensor(shape).prod()), N).reshape(*shape, N)
     w = make("gaussian", N, K, 1)
     settings = dict(grad_bits=bits, weight_bits=bits, per_token=per_token, weight_quantizer=weight_quantizer)
-    out = ops.hq_grad_input(g, w, SEED, **settings)
+    out = impl.hq_grad_input(g, w, SEED, **settings)
     assert out.shape == (*shape, K) and out.dtype == g.dtype
     assert rel_err(out, reference.hq_grad_input(g, w, SEED, **settings)) < tol.FP32_VS_REFERENCE
 
@@ -36,15 +60,15 @@ def test_hq_matches_reference_2d_and_nd(per_token, shape, weight_quantizer, bits
 @pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("tokens", [L, 197])
 @pytest.mark.parametrize("rank", [1, 8, 16])
-def test_compress_and_hla_match_reference(rank, tokens, per_channel):
+def test_compress_and_hla_match_reference(impl, rank, tokens, per_channel):
     g, _, x = _operands("gaussian")
     g, x = g[:tokens], x[:tokens]
-    xq, xs = ops.compress_activation(x.reshape(1, tokens, K), rank=rank, per_channel=per_channel)
+    xq, xs = impl.compress_activation(x.reshape(1, tokens, K), rank=rank, per_channel=per_channel)
     assert xq.dtype == torch.int8 and xq.shape == (hadamard.lowpass_rows(tokens, rank), K)
     assert xs.shape == ((1, K) if per_channel else ())
     ref_q, ref_s = reference.compress_activation(x, rank=rank, per_channel=per_channel)
     assert (xq.double() != ref_q).float().mean() <= tol.LEVEL_MISMATCH_FRACTION
-    out = ops.hla_grad_weight(g, xq, xs, SEED, rank=rank, per_channel=per_channel)
+    out = impl.hla_grad_weight(g, xq, xs, SEED, rank=rank, per_channel=per_channel)
     assert out.shape == (N, K)
     ref = reference.hla_grad_weight(g, ref_q, ref_s, SEED, rank=rank, per_channel=per_channel)
     assert rel_err(out, ref) < tol.FP32_VS_REFERENCE
@@ -112,30 +136,30 @@ def test_hadamard_lowers_int4_error_on_outliers(kind):
     assert with_h < 0.75 * plain
 
 
-def test_hq_is_unbiased_over_draws():
+def test_hq_is_unbiased_over_draws(impl):
     g, w, _ = _operands("gaussian")
     # The weight operand is deterministic (SAWB round-to-nearest), so the expectation over the
     # gradient's stochastic rounding is the exact product with the dequantized transformed weight.
     qw, sw = reference.sawb(reference.block_transform(w, reference.sylvester_hadamard(), 0), 4)
     w_hat = reference.block_transform(qw * sw, reference.sylvester_hadamard(), 0)[:N] / 16
     expectation = g.double() @ w_hat
-    mean = sum(ops.hq_grad_input(g, w, torch.tensor(s), **PAPER_HQ).double() for s in range(tol.UNBIASED_DRAWS))
+    mean = sum(impl.hq_grad_input(g, w, torch.tensor(s), **PAPER_HQ).double() for s in range(tol.UNBIASED_DRAWS))
     mean = mean / tol.UNBIASED_DRAWS
     reached = rel_err(mean, expectation)
-    single = rel_err(ops.hq_grad_input(g, w, SEED, **PAPER_HQ), expectation)
+    single = rel_err(impl.hq_grad_input(g, w, SEED, **PAPER_HQ), expectation)
     print(f"HQ mean of {tol.UNBIASED_DRAWS} draws: rel err {reached:.4f} (one draw {single:.3f}, bound {tol.UNBIASED_MEAN})")
     assert reached < tol.UNBIASED_MEAN
 
 
 @pytest.mark.parametrize("weight_quantizer", ["per_channel", "stochastic"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_hq_with_stochastic_weight_is_unbiased_against_the_exact_product(bits, weight_quantizer):
+def test_hq_with_stochastic_weight_is_unbiased_against_the_exact_product(impl, bits, weight_quantizer):
     g, w, _ = _operands("gaussian")
     exact = g.double() @ w.double()
 
     def mean(quantizer):
         draws = (
-            ops.hq_grad_input(g, w, torch.tensor(s), grad_bits=bits, weight_bits=bits, weight_quantizer=quantizer)
+            impl.hq_grad_input(g, w, torch.tensor(s), grad_bits=bits, weight_bits=bits, weight_quantizer=quantizer)
             for s in range(tol.UNBIASED_DRAWS)
         )
         return sum(d.double() for d in draws) / tol.UNBIASED_DRAWS
@@ -148,48 +172,48 @@ def test_hq_with_stochastic_weight_is_unbiased_against_the_exact_product(bits, w
 
 
 @pytest.mark.parametrize("per_channel", [False, True])
-def test_hla_is_unbiased_over_draws(per_channel):
+def test_hla_is_unbiased_over_draws(impl, per_channel):
     g, _, x = _operands("gaussian")
-    xq, xs = ops.compress_activation(x, rank=8, per_channel=per_channel)
+    xq, xs = impl.compress_activation(x, rank=8, per_channel=per_channel)
     p = reference.sequency_sorted_rows(8)
     expectation = reference.block_transform(g, p, 0).T @ (xq.double() * xs.double()) / 16
-    draws = (ops.hla_grad_weight(g, xq, xs, torch.tensor(s), rank=8, per_channel=per_channel) for s in range(tol.UNBIASED_DRAWS))
+    draws = (impl.hla_grad_weight(g, xq, xs, torch.tensor(s), rank=8, per_channel=per_channel) for s in range(tol.UNBIASED_DRAWS))
     mean = sum(d.double() for d in draws) / tol.UNBIASED_DRAWS
     assert rel_err(mean, expectation) < tol.UNBIASED_MEAN / 4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_inputs(dtype):
+def test_half_precision_inputs(impl, dtype):
     g, w, x = _operands("gaussian")
-    out = ops.hq_grad_input(g.to(dtype), w.to(dtype), SEED)
+    out = impl.hq_grad_input(g.to(dtype), w.to(dtype), SEED)
     assert out.dtype == dtype
     assert rel_err(out, g.double() @ w.double()) < tol.HQ_HALF_PRECISION
-    xq, xs = ops.compress_activation(x.to(dtype), rank=16)
-    gw = ops.hla_grad_weight(g.to(dtype), xq, xs, SEED, rank=16, out_dtype=torch.float32)
+    xq, xs = impl.compress_activation(x.to(dtype), rank=16)
+    gw = impl.hla_grad_weight(g.to(dtype), xq, xs, SEED, rank=16, out_dtype=torch.float32)
     assert gw.dtype == torch.float32
     assert rel_err(gw, g.double().T @ x.double()) < tol.HLA_FULL_RANK
 
 
-def test_zero_gradient_gives_zero_finite_output():
+def test_zero_gradient_gives_zero_finite_output(impl):
     _, w, x = _operands("gaussian")
     g = torch.zeros(L, N)
-    assert torch.equal(ops.hq_grad_input(g, w, SEED), torch.zeros(L, K))
-    xq, xs = ops.compress_activation(torch.zeros(L, K))
+    assert torch.equal(impl.hq_grad_input(g, w, SEED), torch.zeros(L, K))
+    xq, xs = impl.compress_activation(torch.zeros(L, K))
     assert torch.isfinite(xs).all() and not xq.any()
-    assert torch.equal(ops.hla_grad_weight(g, *ops.compress_activation(x), SEED), torch.zeros(N, K))
+    assert torch.equal(impl.hla_grad_weight(g, *impl.compress_activation(x), SEED), torch.zeros(N, K))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("per_token", [False, True])
-def test_non_finite_propagates(bad, per_token):
+def test_non_finite_propagates(impl, bad, per_token):
     g, w, x = _operands("gaussian")
     g[17, 5] = bad
-    assert not torch.isfinite(ops.hq_grad_input(g, w, SEED, per_token=per_token)[17]).all()
-    assert not torch.isfinite(ops.hla_grad_weight(g, *ops.compress_activation(x), SEED)).all()
+    assert not torch.isfinite(impl.hq_grad_input(g, w, SEED, per_token=per_token)[17]).all()
+    assert not torch.isfinite(impl.hla_grad_weight(g, *impl.compress_activation(x), SEED)).all()
     x[3, 2] = bad
-    assert not torch.isfinite(ops.hla_grad_weight(g.nan_to_num(), *ops.compress_activation(x), SEED)).all()
+    assert not torch.isfinite(impl.hla_grad_weight(g.nan_to_num(), *impl.compress_activation(x), SEED)).all()
     w[0, 0] = bad
-    assert not torch.isfinite(ops.hq_grad_input(g.nan_to_num(), w, SEED)).all()
+    assert not torch.isfinite(impl.hq_grad_input(g.nan_to_num(), w, SEED)).all()
 
 
 class _RecordCalls(TorchDispatchMode):
@@ -280,20 +304,27 @@ def test_draw_seed_follows_manual_seed():
     assert ops.draw_seed(like) == a and a.dtype == torch.int64
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_custom_ops_match_the_eager_functions(dtype):
-    """HOT's custom ops (the compiled kernels) against :mod:`hot_compile.ops` run eagerly, on a
-    column-major gradient and a Parameter weight, as a backward hands them over."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_custom_ops_match_the_eager_functions(dtype, hadamard, per_token):
+    """HOT's custom ops (on the CPU, the fused kernels) against :mod:`hot_compile.ops` run eagerly, on a
+    column-major gradient and a Parameter weight, as a backward hands them over: the same integer
+    levels up to ties at a rounding boundary."""
     g, w, x = _operands("gaussian")
     g = g.to(dtype).t().contiguous().t()
     w, x = torch.nn.Parameter(w.to(dtype)), x.to(dtype)
-    xq, xs = kernels.compress_activation(x, 8, 8, True)
-    ref_q, ref_s = ops.compress_activation(x, rank=8)
-    assert (xq != ref_q).float().mean() <= tol.LEVEL_MISMATCH_FRACTION and torch.allclose(xs, ref_s)
-    hq = kernels.hq_grad_input(g, w, SEED, 8, 8, True, True, "per_channel")
-    assert hq.dtype == dtype and rel_err(hq, ops.hq_grad_input(g, w, SEED)) < tol.FP32_VS_REFERENCE
-    hla = kernels.hla_grad_weight(g, xq, xs, SEED, 8, 8, True, torch.float32)
-    assert rel_err(hla, ops.hla_grad_weight(g, xq, xs, SEED, rank=8, out_dtype=torch.float32)) < tol.FP32_VS_REFERENCE
+    for rank, per_channel in ((8, True), (16, not per_token)):
+        xq, xs = kernels.compress_activation(x, rank, 8, per_channel)
+        ref_q, ref_s = ops.compress_activation(x, rank=rank, per_channel=per_channel)
+        assert (xq != ref_q).float().mean() <= tol.LEVEL_MISMATCH_FRACTION and torch.allclose(xs, ref_s)
+        hla = kernels.hla_grad_weight(g, xq, xs, SEED, rank, 8, per_channel, torch.float32)
+        ref = ops.hla_grad_weight(g, xq, xs, SEED, rank=rank, per_channel=per_channel, out_dtype=torch.float32)
+        assert hla.dtype == torch.float32 and rel_err(hla, ref) < tol.FP32_VS_REFERENCE
+    for weight_quantizer in ("per_channel", "stochastic", "sawb"):
+        settings = dict(per_token=per_token, hadamard=hadamard, weight_quantizer=weight_quantizer)
+        hq = kernels.hq_grad_input(g, w, SEED, 8, 8, per_token, hadamard, weight_quantizer)
+        assert hq.dtype == dtype and rel_err(hq, ops.hq_grad_input(g, w, SEED, **settings)) < tol.FP32_VS_REFERENCE
 
 
 def test_custom_ops_pass_opcheck():
@@ -310,14 +341,14 @@ def test_custom_ops_pass_opcheck():
 
 
 def test_one_kernel_serves_every_shape():
-    """The ops' kernels are compiled for symbolic shapes: a new layer shape, or a token count with
+    """The ops' compiled kernels (every device but the CPU) are compiled for symbolic shapes: a new layer shape, or a token count with
     another remainder mod 16, builds nothing."""
     g, w, x = _operands("gaussian")
 
     def step(tokens, n, k):
         gs, ws, xs = g[:tokens, :n].contiguous(), w[:n, :k].contiguous(), x[:tokens, :k].contiguous()
-        kernels.hq_grad_input(gs, ws, SEED, 8, 8, True, True, "per_channel")
-        kernels.hla_grad_weight(gs, *kernels.compress_activation(xs, 8, 8, True), SEED, 8, 8, True, torch.float32)
+        kernels.compiled_hq_grad_input(gs, ws, SEED, 8, 8, True, True, "per_channel")
+        kernels.compiled_hla_grad_weight(gs, *kernels.compiled_compress_activation(xs, 8, 8, True), SEED, 8, 8, True, torch.float32)
 
     step(L, N, K)
     built = kernels.build_seconds()
@@ -332,7 +363,7 @@ def test_kernels_take_their_integer_settings_as_constants():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     _, _, x = _operands("gaussian")
-    kernels.compress_activation(x, 4, 6, True)
+    kernels.compiled_compress_activation(x, 4, 6, True)
     kernel = kernels._kernel(ops.compress_activation, (("bits", 6), ("per_channel", True), ("rank", 4)))
     (entry,) = _debug_get_cache_entry_list(kernel._torchdynamo_orig_callable.__code__)
     guards = entry.guard_manager.code_parts
@@ -344,21 +375,25 @@ def test_kernels_build_once_whatever_the_dispatch_state():
     for aliasing; the ops' kernels built there serve the calls after it."""
     _, _, x = _operands("gaussian")
 
-    class PassThrough(TorchDispatchMode):
+    class CompiledKernelUnderMode(TorchDispatchMode):
+        """Runs the op's compiled implementation where the mode hands the op on, as on a GPU."""
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.hot_compile.compress_activation.default:
+                return kernels.compiled_compress_activation(*args, **(kwargs or {}))
             return func(*args, **(kwargs or {}))
 
-    with PassThrough():
+    with CompiledKernelUnderMode():
         kernels.compress_activation(x, 8, 8, True)
     built = kernels.build_seconds()
-    kernels.compress_activation(x, 8, 8, True)
+    kernels.compiled_compress_activation(x, 8, 8, True)
     assert kernels.build_seconds() == built
 
 
 def test_kernels_build_once_for_views_and_parameters():
     """A backward hands the ops views in one call and fresh tensors or Parameters in the next."""
     g, w, _ = _operands("gaussian")
-    kernels.hq_grad_input(g[:300], torch.cat([w, w])[:N], SEED, 8, 8, True, True, "per_channel")  # contiguous views
+    kernels.compiled_hq_grad_input(g[:300], torch.cat([w, w])[:N], SEED, 8, 8, True, True, "per_channel")  # contiguous views
     built = kernels.build_seconds()
-    kernels.hq_grad_input(g[:300].clone(), torch.nn.Parameter(w.clone()), SEED, 8, 8, True, True, "per_channel")
+    kernels.compiled_hq_grad_input(g[:300].clone(), torch.nn.Parameter(w.clone()), SEED, 8, 8, True, True, "per_channel")
     assert kernels.build_seconds() == built

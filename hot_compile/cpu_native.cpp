@@ -1,0 +1,377 @@
+// HOT's transforms and quantizers for CPUs, fused so that each reads its operand once per pass.
+//
+// Built at first use by Inductor's C++ toolchain (the flags and vector ISA of its own CPU kernels)
+// and cached on disk with its kernels; called through ctypes from hot_compile/cpu_native.py,
+// which documents each function. The arithmetic is that of hot_compile/ops.py: the same block
+// transforms, scales, hash noise (hot_compile/quant.py) and rounding; only the order of float
+// additions inside a transform differs.
+
+// Inductor's flags turn the loop vectorizer off (its kernels vectorize by hand); these loops rely on it.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("tree-loop-vectorize")
+#endif
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 16;
+// Columns per tile of the column transforms: four AVX-512 registers per transformed row.
+constexpr int64_t TILE = 64;
+
+// Element types, as hot_compile/cpu_native.py numbers them.
+enum : int64_t { FLOAT32 = 0, BFLOAT16 = 1, FLOAT16 = 2 };
+
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float to_float(float v) { return v; }
+inline float to_float(BFloat16 v) {
+  uint32_t word = uint32_t(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &word, sizeof f);
+  return f;
+}
+inline float to_float(_Float16 v) { return float(v); }
+
+inline void store(float v, float* out) { *out = v; }
+inline void store(float v, BFloat16* out) {
+  uint32_t word;
+  std::memcpy(&word, &v, sizeof word);
+  if ((word & 0x7fffffffu) > 0x7f800000u) {
+    out->bits = uint16_t((word >> 16) | 0x40u);  // a quiet NaN stays NaN
+  } else {
+    out->bits = uint16_t((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);  // round to nearest even
+  }
+}
+inline void store(float v, _Float16* out) { *out = _Float16(v); }
+
+// hot_compile/quant.py's hash_uniform: the noise of flat index `index` under `offset`
+// (seed·SEED_MULT + salt·SALT_MULT, mod 2**32).
+inline uint32_t mix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x7FEB352Du;
+  h ^= h >> 15;
+  h *= 0x2C1B3C6Du;
+  return h ^ (h >> 16);
+}
+inline float hash_uniform(uint32_t index, uint32_t offset) {
+  return float(mix32(index * 0x85EBCA6Bu + offset) >> 8) * (1.0f / 16777216.0f);
+}
+
+// A NaN wins, so that a NaN or Inf input leaves a non-finite scale.
+inline float max_magnitude(float m, float v) {
+  float a = std::fabs(v);
+  return (a > m || a != a) ? a : m;
+}
+
+// Quantizes `count` values: stochastic, sign(v)·floor(|v|/s + u); else round half to even, as torch.round.
+// `inverse` holds 1/s, per value (PerValue) or one for all; noise indices run from `first`.
+template <bool Stochastic, bool PerValue>
+inline void quantize_span(const float* v, const float* inverse, int64_t count, float qmax, uint32_t first,
+                          uint32_t offset, int8_t* out) {
+#pragma omp simd
+  for (int64_t c = 0; c < count; ++c) {
+    const float inv = PerValue ? inverse[c] : inverse[0];
+    float l;
+    if constexpr (Stochastic) {
+      l = std::floor(std::fabs(v[c]) * inv + hash_uniform(first + uint32_t(c), offset));
+      l = v[c] < 0 ? -l : l;
+    } else {
+      l = std::nearbyint(v[c] * inv);
+    }
+    l = l < qmax ? l : qmax;  // a NaN level (non-finite scale) lands here: its product is NaN anyway
+    l = l > -qmax ? l : -qmax;
+    out[c] = int8_t(int32_t(l));
+  }
+}
+
+template <bool PerValue>
+inline void quantize_span(bool stochastic, const float* v, const float* inverse, int64_t count, float qmax,
+                          uint32_t first, uint32_t offset, int8_t* out) {
+  if (stochastic) {
+    quantize_span<true, PerValue>(v, inverse, count, qmax, first, offset, out);
+  } else {
+    quantize_span<false, PerValue>(v, inverse, count, qmax, first, offset, out);
+  }
+}
+
+// max|v| of `count` values; NaN if any is NaN.
+inline float span_amax(const float* v, int64_t count) {
+  float m = 0.0f;
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t c = 0; c < count; ++c) {
+    const float a = std::fabs(v[c]);
+    m = a > m ? a : m;
+    nan |= a != a;
+  }
+  return nan ? std::nanf("") : m;
+}
+
+// quant.guard_scale(amax / qmax): a zero scale becomes 1, NaN and Inf stay.
+inline float scale_of(float amax, float qmax) {
+  float s = amax / qmax;
+  return s == 0.0f ? 1.0f : s;
+}
+
+struct SignTable {
+  float h[BLOCK][BLOCK];
+  constexpr SignTable() : h() {
+    for (int i = 0; i < BLOCK; ++i)
+      for (int j = 0; j < BLOCK; ++j) h[i][j] = (__builtin_popcount(i & j) & 1) ? -1.0f : 1.0f;
+  }
+};
+// Sylvester order, H[i][j] = (-1)^popcount(i & j), as hot_compile/hadamard.py builds it.
+constexpr SignTable HADAMARD;
+
+inline void hadamard16(float* v) {
+  float y[BLOCK] = {};
+  for (int j = 0; j < BLOCK; ++j) {
+#pragma omp simd
+    for (int i = 0; i < BLOCK; ++i) y[i] += HADAMARD.h[j][i] * v[j];
+  }
+  std::memcpy(v, y, sizeof y);
+}
+
+template <typename T>
+void load_row(const T* x, int64_t n, int64_t stride, int64_t padded, float* row) {
+  if (stride == 1) {
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) row[c] = to_float(x[c]);
+  } else {
+    for (int64_t c = 0; c < n; ++c) row[c] = to_float(x[c * stride]);
+  }
+  std::fill(row + n, row + padded, 0.0f);
+}
+
+template <typename T>
+void rows_quantize(const T* x, int64_t rows, int64_t n, int64_t row_stride, int64_t col_stride, int64_t width,
+                   bool hadamard, float qmax, bool stochastic, uint32_t offset, const float* scale_in,
+                   int64_t scale_stride, int8_t* q, float* scale_out, float* amax_out) {
+#pragma omp parallel
+  {
+    std::vector<float> row(width);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* v = row.data();
+      load_row(x + r * row_stride, n, col_stride, width, v);
+      if (hadamard) {
+        for (int64_t b = 0; b < width; b += BLOCK) hadamard16(v + b);
+      }
+      float scale;
+      if (scale_in != nullptr) {
+        scale = scale_in[r * scale_stride];
+      } else {
+        const float amax = span_amax(v, width);
+        if (amax_out != nullptr) {
+          amax_out[r] = amax;
+          continue;
+        }
+        scale = scale_of(amax, qmax);
+        scale_out[r] = scale;
+      }
+      const float inverse = 1.0f / scale;
+      quantize_span<false>(stochastic, v, &inverse, width, qmax, uint32_t(r * width), offset, q + r * width);
+    }
+  }
+}
+
+// The transform of a tile: `count` rows of basis @ x[16 rows of block, TILE columns].
+inline void transform_tile(const float* basis, int64_t count, const float (*xb)[TILE], float (*yb)[TILE]) {
+  for (int64_t i = 0; i < count; ++i) {
+    float* y = yb[i];
+#pragma omp simd
+    for (int64_t c = 0; c < TILE; ++c) y[c] = 0.0f;
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      const float m = basis[i * BLOCK + j];
+#pragma omp simd
+      for (int64_t c = 0; c < TILE; ++c) y[c] += m * xb[j][c];
+    }
+  }
+}
+
+// In place: each column of the 16-row tile times the Hadamard matrix (Sylvester order), by butterflies:
+// 4 additions per value where the dense product takes 16 multiply-adds.
+inline void hadamard_tile(float (*xb)[TILE]) {
+  for (int64_t h = 1; h < BLOCK; h <<= 1) {
+    for (int64_t i = 0; i < BLOCK; i += 2 * h) {
+      for (int64_t j = i; j < i + h; ++j) {
+        float* a = xb[j];
+        float* b = xb[j + h];
+#pragma omp simd
+        for (int64_t c = 0; c < TILE; ++c) {
+          const float u = a[c], v = b[c];
+          a[c] = u + v;
+          b[c] = u - v;
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void load_tile(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, int64_t block,
+               int64_t c0, int64_t cols, float (*xb)[TILE]) {
+  for (int64_t j = 0; j < BLOCK; ++j) {
+    const int64_t r = block * BLOCK + j;
+    if (r < n) {
+      load_row(x + r * row_stride + c0 * col_stride, cols, col_stride, TILE, xb[j]);
+    } else {
+      std::fill(xb[j], xb[j] + TILE, 0.0f);
+    }
+  }
+}
+
+// Column transforms (along dim 0): whole blocks by `basis`, the rows after them zero-padded to 16 by
+// `tail` (when given), `out_rows` rows in all. Where every row of `basis` is a row of the Hadamard matrix,
+// `sylvester_rows` names them and whole blocks take the butterflies. stats: per-column max|y|, Σ|y|, Σy² of the result;
+// quantize: q = level(y / scale[c]) into [out_rows, k].
+template <typename T>
+void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, const float* basis,
+               const int64_t* sylvester_rows, const float* tail, int64_t rank, int64_t out_rows, float* amax, float* abs_sum, float* sq_sum,
+               const float* scale, int64_t scale_stride, float qmax, bool stochastic, uint32_t offset, int8_t* q) {
+  const int64_t whole = n / BLOCK;
+  const int64_t blocks = tail != nullptr && n % BLOCK ? whole + 1 : whole;
+  const int64_t tiles = (k + TILE - 1) / TILE;
+  const bool stats = amax != nullptr;
+  if (stats) {
+    std::fill(amax, amax + k, 0.0f);
+    std::fill(abs_sum, abs_sum + k, 0.0f);
+    std::fill(sq_sum, sq_sum + k, 0.0f);
+  }
+#pragma omp parallel
+  {
+    std::vector<float> local(stats ? 3 * k : 0, 0.0f);
+    std::vector<float> inverse(stats ? 0 : k);
+    for (size_t c = 0; c < inverse.size(); ++c) inverse[c] = 1.0f / scale[c * scale_stride];
+    alignas(64) float xb[BLOCK][TILE];
+    alignas(64) float yb[BLOCK][TILE];
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t b = 0; b < blocks; ++b) {
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t c0 = t * TILE, cols = std::min(TILE, k - c0);
+        const int64_t count = std::min(rank, out_rows - b * rank);
+        if (count <= 0) continue;
+        load_tile(x, n, k, row_stride, col_stride, b, c0, cols, xb);
+        const float* result[BLOCK];
+        if (b < whole && sylvester_rows != nullptr) {
+          hadamard_tile(xb);
+          for (int64_t i = 0; i < count; ++i) result[i] = xb[sylvester_rows[i]];
+        } else {
+          transform_tile(b < whole ? basis : tail, count, xb, yb);
+          for (int64_t i = 0; i < count; ++i) result[i] = yb[i];
+        }
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t out_row = b * rank + i;
+          if (stats) {
+            float* m = local.data() + c0;
+            float* s1 = m + k;
+            float* s2 = s1 + k;
+#pragma omp simd
+            for (int64_t c = 0; c < cols; ++c) {
+              const float y = result[i][c];
+              m[c] = max_magnitude(m[c], y);
+              s1[c] += std::fabs(y);
+              s2[c] += y * y;
+            }
+          } else {
+            quantize_span<true>(stochastic, result[i], inverse.data() + c0, cols, qmax, uint32_t(out_row * k + c0), offset,
+                                q + out_row * k + c0);
+          }
+        }
+      }
+    }
+    if (stats) {
+#pragma omp critical
+      for (int64_t c = 0; c < k; ++c) {
+        amax[c] = max_magnitude(amax[c], local[c]);
+        abs_sum[c] += local[k + c];
+        sq_sum[c] += local[2 * k + c];
+      }
+    }
+  }
+}
+
+template <typename Out>
+void dequantize(const int32_t* acc, int64_t rows, int64_t cols, int64_t acc_stride, const float* row_scale,
+                int64_t row_scale_stride, const float* col_scale, int64_t col_scale_stride, float divisor, Out* out) {
+#pragma omp parallel
+  {
+    std::vector<float> column(cols);
+    for (int64_t c = 0; c < cols; ++c) column[c] = col_scale[c * col_scale_stride] / divisor;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float s = row_scale[r * row_scale_stride];
+      const int32_t* a = acc + r * acc_stride;
+      Out* o = out + r * cols;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) store(float(a[c]) * (s * column[c]), o + c);
+    }
+  }
+}
+
+template <typename F>
+void by_dtype(int64_t dtype, const void* x, F&& f) {
+  switch (dtype) {
+    case FLOAT32: return f(static_cast<const float*>(x));
+    case BFLOAT16: return f(static_cast<const BFloat16*>(x));
+    default: return f(static_cast<const _Float16*>(x));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void hot_rows_quantize(const void* x, int64_t dtype, int64_t rows, int64_t n, int64_t row_stride, int64_t col_stride,
+                       int64_t width, int64_t hadamard, int64_t qmax, int64_t stochastic, uint32_t offset,
+                       const float* scale_in, int64_t scale_stride, int8_t* q, float* scale_out, float* amax_out) {
+  by_dtype(dtype, x, [&](auto* t) {
+    rows_quantize(t, rows, n, row_stride, col_stride, width, hadamard != 0, float(qmax), stochastic != 0, offset,
+                  scale_in, scale_stride, q, scale_out, amax_out);
+  });
+}
+
+void hot_cols_stats(const void* x, int64_t dtype, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride,
+                    const float* basis, const int64_t* sylvester_rows, const float* tail, int64_t rank, int64_t out_rows, float* amax,
+                    float* abs_sum, float* sq_sum) {
+  by_dtype(dtype, x, [&](auto* t) {
+    cols_pass(t, n, k, row_stride, col_stride, basis, sylvester_rows, tail, rank, out_rows, amax, abs_sum, sq_sum, nullptr, 0,
+              0.0f, false, 0u, nullptr);
+  });
+}
+
+void hot_cols_quantize(const void* x, int64_t dtype, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride,
+                       const float* basis, const int64_t* sylvester_rows, const float* tail, int64_t rank, int64_t out_rows, const float* scale,
+                       int64_t scale_stride, int64_t qmax, int64_t stochastic, uint32_t offset, int8_t* q) {
+  by_dtype(dtype, x, [&](auto* t) {
+    cols_pass(t, n, k, row_stride, col_stride, basis, sylvester_rows, tail, rank, out_rows, nullptr, nullptr, nullptr, scale,
+              scale_stride, float(qmax), stochastic != 0, offset, q);
+  });
+}
+
+void hot_dequantize(const int32_t* acc, int64_t rows, int64_t cols, int64_t acc_stride, const float* row_scale,
+                    int64_t row_scale_stride, const float* col_scale, int64_t col_scale_stride, float divisor,
+                    void* out, int64_t out_dtype) {
+  switch (out_dtype) {
+    case FLOAT32:
+      return dequantize(acc, rows, cols, acc_stride, row_scale, row_scale_stride, col_scale, col_scale_stride,
+                        divisor, static_cast<float*>(out));
+    case BFLOAT16:
+      return dequantize(acc, rows, cols, acc_stride, row_scale, row_scale_stride, col_scale, col_scale_stride,
+                        divisor, static_cast<BFloat16*>(out));
+    default:
+      return dequantize(acc, rows, cols, acc_stride, row_scale, row_scale_stride, col_scale, col_scale_stride,
+                        divisor, static_cast<_Float16*>(out));
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,103 @@
+"""The fused CPU loops of :mod:`hot_compile.cpu_native` against the aten quantizers and transforms they
+replace. The ops built on them are checked against float64 in ``test_ops.py`` (fixture ``impl``)."""
+
+import pytest
+import torch
+
+from hot_compile import cpu_native, hadamard, kernels, ops, quant
+from tests import tolerances as tol
+from tests.data import make, rel_err
+
+SEED = torch.tensor(5)
+
+
+def _levels_agree(q: torch.Tensor, expected: torch.Tensor) -> bool:
+    """The same integer levels up to ties at a rounding boundary, each at most one level off."""
+    differ = q.int() != expected.int()
+    return differ.float().mean() <= tol.LEVEL_MISMATCH_FRACTION and (q.int() - expected.int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_row", [True, False])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_rows_is_the_stochastic_quantizer_of_the_block_hadamard(dtype, per_row, bits):
+    g = make("lognormal", 97, 72, 0).to(dtype).t().contiguous().t()  # column-major, 72 = 4.5 blocks
+    width = hadamard.padded_length(72)
+    offset = cpu_native.noise_offset(SEED, ops.SALT_GRAD_INPUT)
+    q, scale = cpu_native.quantize_rows(g, bits, width=width, hadamard=True, per_row=per_row, offset=offset)
+    dim = -1 if per_row else None
+    expected_q, expected_scale = quant.quantize_stochastic(
+        hadamard.block_hadamard(g.float(), 1), bits, SEED, dim=dim, salt=ops.SALT_GRAD_INPUT
+    )
+    assert q.shape == (97, width) and scale.shape == expected_scale.shape
+    torch.testing.assert_close(scale, expected_scale, rtol=1e-6, atol=0)
+    assert _levels_agree(q, expected_q)
+
+
+@pytest.mark.parametrize("rank", [1, 8, 16])
+@pytest.mark.parametrize("tokens", [96, 197])
+def test_quantize_columns_is_the_quantizer_of_the_lowpass(rank, tokens):
+    x = make("outlier", tokens, 40, 1)
+    tail = hadamard.tail_basis(tokens % 16, rank)
+    rows = hadamard.lowpass_rows(tokens, rank)
+    projected = hadamard.lowpass(x, rank, tail)
+    amax, abs_sum, square_sum = cpu_native.column_statistics(x, hadamard.walsh_basis(rank), tail, rows)
+    torch.testing.assert_close(amax, projected.abs().amax(0), rtol=1e-6, atol=0)
+    torch.testing.assert_close(abs_sum, projected.abs().sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(square_sum, (projected * projected).sum(0), rtol=1e-5, atol=1e-5)
+    for stochastic in (True, False):
+        expected_q, scale = (
+            quant.quantize_stochastic(projected, 8, SEED, dim=0, salt=3)
+            if stochastic
+            else quant.quantize_nearest(projected, 8, dim=0)
+        )
+        offset = cpu_native.noise_offset(SEED, 3)
+        q = cpu_native.quantize_columns(
+            x, hadamard.walsh_basis(rank), tail, rows, 8, scale.flatten(), stochastic=stochastic, offset=offset
+        )
+        assert q.shape == (rows, 40) and _levels_agree(q, expected_q)
+
+
+def test_noise_offset_is_the_hash_of_the_seed_and_salt():
+    """The same noise as :func:`hot_compile.quant.hash_uniform`: a quantizer of a tensor of halves
+    rounds each element up exactly where its noise is at least one half."""
+    v = torch.full((64, 16), 0.5)
+    q = cpu_native.quantize_columns(
+        v, torch.eye(16), None, 64, 8, torch.ones(16), stochastic=True, offset=cpu_native.noise_offset(SEED, 7)
+    )
+    assert torch.equal(q.bool(), quant.hash_uniform(v, SEED, salt=7) >= 0.5)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out_dtype):
+    monkeypatch.setattr(cpu_native, "MIN_CHUNK_ROWS", 16)
+    monkeypatch.setattr(cpu_native, "CHUNK_BYTES", 16 * 4 * 24)  # 16-row chunks of a [.., 24] product
+    a = torch.randint(-127, 128, (100, 40), dtype=torch.int8)
+    b = torch.randint(-127, 128, (40, 24), dtype=torch.int8)
+    row_scale, col_scale = torch.rand(100, 1), torch.rand(1, 24)
+    out = cpu_native.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, ops.int8_matmul)
+    expected = (a.double() @ b.double()) * row_scale.double() * col_scale.double() / 16
+    assert out.dtype == out_dtype
+    assert rel_err(out, expected) < {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}[out_dtype]
+
+
+def test_cpu_ops_run_the_fused_kernels(monkeypatch):
+    """On the CPU each op runs its kernels, not the shape-generic compile of the composites."""
+    calls = []
+    for name in ("quantize_rows", "column_statistics", "quantize_columns", "matmul_dequantized"):
+        original = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    built = kernels._build_seconds
+    g, w, x = make("gaussian", 64, 48, 0), make("gaussian", 48, 32, 1), make("gaussian", 64, 32, 2)
+    kernels.hq_grad_input(g, w, SEED, 8, 8, True, True, "per_channel")
+    assert calls == ["quantize_rows", "column_statistics", "quantize_columns", "matmul_dequantized"]
+    calls.clear()
+    xq, xs = kernels.compress_activation(x, 16, 8, True)
+    kernels.hla_grad_weight(g, xq, xs, SEED, 16, 8, True, torch.float32)
+    assert calls == ["column_statistics", "quantize_columns"] * 2 + ["matmul_dequantized"]
+    assert kernels._build_seconds == built
+
+
+def test_unsupported_dtype_is_named():
+    with pytest.raises(TypeError, match="float64"):
+        cpu_native.quantize_rows(torch.zeros(4, 16, dtype=torch.float64), 8, width=16, hadamard=True, per_row=True)
