@@ -50,6 +50,8 @@ from .memory import saved_for_backward_bytes
 SECTION_TITLE = "Speed and memory"
 MODELS = ("mlp", "vit", "minilm")
 VARIANTS = ("inductor-fp32", "inductor-bf16", "hot-fp32", "hot-bf16", "torchao-int8")
+# HOT and Inductor at both precisions: the variants whose ratios the speed goals name.
+HOT_AND_INDUCTOR = VARIANTS[:4]
 # The variant each one is compared with at the same precision.
 _SAME_PRECISION = {"hot-fp32": "inductor-fp32", "hot-bf16": "inductor-bf16", "torchao-int8": "inductor-fp32"}
 _BASELINE = "inductor-fp32"
@@ -701,10 +703,15 @@ def _names(kind: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+def add_selection_arguments(parser: argparse.ArgumentParser, variants: tuple[str, ...] = VARIANTS) -> None:
+    """``--models`` and ``--variants``: which cases and variants to run, as comma-separated names."""
+    parser.add_argument("--models", type=_names(MODELS), default=MODELS, help=f"subset of {','.join(MODELS)}")
+    parser.add_argument("--variants", type=_names(VARIANTS), default=variants, help=f"subset of {','.join(VARIANTS)}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = BenchSpec()
-    parser.add_argument("--models", type=_names(MODELS), default=defaults.models, help=f"subset of {','.join(MODELS)}")
-    parser.add_argument("--variants", type=_names(VARIANTS), default=defaults.variants, help=f"subset of {','.join(VARIANTS)}")
+    add_selection_arguments(parser, defaults.variants)
     parser.add_argument("--tiny", action="store_true", help="toy sizes and few steps: a smoke run in seconds")
     for field in dataclasses.fields(BenchSpec):
         if field.name in ("models", "variants", "fresh_cache", "hot_policy"):

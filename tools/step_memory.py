@@ -1,0 +1,100 @@
+"""Peak memory of one training step per variant, each variant in a process of its own.
+
+``tools/bench.py`` runs every variant in one process, so its peak RSS is the process's high-water
+mark, shared by all of them. Here each (model, variant) pair gets a fresh interpreter that builds the
+model, compiles it, runs warm-up steps, then resets the kernel's peak-RSS counter (``VmHWM``) and
+runs one more step. Reported: that step's peak RSS, its growth over the RSS before the step, and
+the bytes saved for backward, with ratios against Inductor bf16 (the variant a user of a CPU with
+bf16 runs; Inductor fp32 where bf16 is not measured).
+
+    python tools/step_memory.py --out benchmarks/memory-zen4    # writes step_memory.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+
+MIB = 1 << 20
+WARMUP = 2
+
+
+def _child(model: str, variant: str, threads: int) -> dict:
+    import torch
+
+    from hot_compile import bench
+
+    torch.set_num_threads(threads)
+    spec = bench.BenchSpec(models=(model,), variants=(variant,), fresh_cache=False)
+    case = bench.build_case(model, spec)
+    if isinstance(case, str):
+        return {"model": model, "variant": variant, "skipped": case}
+    runner = bench.Runner(variant, case, fresh_cache=False, hot_policy=spec.hot_policy)
+    runner.first_step()
+    for i in range(WARMUP):
+        runner.step(i + 1)
+    peak, growth = runner.peak_rss()
+    return {
+        "model": model,
+        "variant": variant,
+        "peak_rss_bytes": peak,
+        "step_rss_growth_bytes": growth,
+        "saved_bytes": runner.saved_bytes(),
+    }
+
+
+def _markdown(rows: list[dict], command: str) -> str:
+    lines = [
+        f"`{command}`",
+        "",
+        "| model | variant | peak RSS of a step MiB | vs baseline | step RSS growth MiB | saved for backward MiB | vs baseline |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"| {row['model']} | {row['variant']} | skipped: {row['skipped']} | | | | |")
+            continue
+        base = next(
+            (r for v in ("inductor-bf16", "inductor-fp32") for r in rows if r["model"] == row["model"] and r["variant"] == v and "skipped" not in r),
+            row,
+        )  # fmt: skip
+        lines.append(
+            f"| {row['model']} | {row['variant']} | {row['peak_rss_bytes'] / MIB:.0f} | "
+            f"{row['peak_rss_bytes'] / base['peak_rss_bytes']:.2f} | {row['step_rss_growth_bytes'] / MIB:.0f} | "
+            f"{row['saved_bytes'] / MIB:.1f} | {row['saved_bytes'] / max(base['saved_bytes'], 1):.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hot_compile import bench
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench.add_selection_arguments(parser, bench.HOT_AND_INDUCTOR)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(*args.child, args.threads)))
+        return 0
+    rows = []
+    for model in args.models:
+        for variant in args.variants:
+            command = [sys.executable, __file__, "--child", model, variant, "--threads", str(args.threads), "--out", "-"]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_memory.json").write_text(json.dumps(rows, indent=2))
+    command = "python tools/step_memory.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+    (args.out / "step_memory.md").write_text(_markdown(rows, command))
+    print(_markdown(rows, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
