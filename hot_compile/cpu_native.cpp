@@ -53,9 +53,16 @@ inline void store(float v, BFloat16* out) {
 }
 inline void store(float v, _Float16* out) { *out = _Float16(v); }
 
+// 16 lanes as one value: GCC's vector extension lowers each to one AVX-512 register or two AVX2 ones.
+typedef float Float16x __attribute__((vector_size(64)));
+typedef int32_t Int16x __attribute__((vector_size(64)));
+typedef uint32_t UInt16x __attribute__((vector_size(64)));
+typedef int8_t Int8x16 __attribute__((vector_size(16)));
+
 // hot_compile/quant.py's hash_uniform: the noise of flat index `index` under `offset`
 // (seed·SEED_MULT + salt·SALT_MULT, mod 2**32).
-inline uint32_t mix32(uint32_t h) {
+template <typename Word>  // uint32_t, or UInt16x for 16 lanes at once
+inline Word mix32(Word h) {
   h ^= h >> 16;
   h *= 0x7FEB352Du;
   h ^= h >> 15;
@@ -65,6 +72,11 @@ inline uint32_t mix32(uint32_t h) {
 inline float hash_uniform(uint32_t index, uint32_t offset) {
   return float(mix32(index * 0x85EBCA6Bu + offset) >> 8) * (1.0f / 16777216.0f);
 }
+inline Float16x hash_uniform(UInt16x index, uint32_t offset) {
+  // The top 24 bits convert exactly through int32, which has a vector instruction on AVX2 too.
+  const Int16x top = (Int16x)(mix32(index * 0x85EBCA6Bu + offset) >> 8);
+  return __builtin_convertvector(top, Float16x) * (1.0f / 16777216.0f);
+}
 
 // A NaN wins, so that a NaN or Inf input leaves a non-finite scale.
 inline float max_magnitude(float m, float v) {
@@ -72,24 +84,55 @@ inline float max_magnitude(float m, float v) {
   return (a > m || a != a) ? a : m;
 }
 
-// Quantizes `count` values: stochastic, sign(v)·floor(|v|/s + u); else round half to even, as torch.round.
-// `inverse` holds 1/s, per value (PerValue) or one for all; noise indices run from `first`.
+// One level: stochastic, sign(v)·floor(|v|/s + u); else round half to even, as torch.round.
+// `inverse` is 1/s.
+template <bool Stochastic>
+inline int8_t level(float v, float inverse, float qmax, uint32_t index, uint32_t offset) {
+  float l;
+  if constexpr (Stochastic) {
+    l = std::floor(std::fabs(v) * inverse + hash_uniform(index, offset));
+    l = v < 0 ? -l : l;
+  } else {
+    l = std::nearbyint(v * inverse);
+  }
+  l = l < qmax ? l : qmax;  // a NaN level (non-finite scale) lands here: its product is NaN anyway
+  l = l > -qmax ? l : -qmax;
+  return int8_t(int32_t(l));
+}
+
+// Quantizes `count` values with `level`: 1/s per value (PerValue) or one for all; noise indices run
+// from `first`. 16 lanes at a time: the compiler leaves the hash's integer words to scalar code otherwise.
 template <bool Stochastic, bool PerValue>
 inline void quantize_span(const float* v, const float* inverse, int64_t count, float qmax, uint32_t first,
                           uint32_t offset, int8_t* out) {
-#pragma omp simd
-  for (int64_t c = 0; c < count; ++c) {
-    const float inv = PerValue ? inverse[c] : inverse[0];
-    float l;
+  const UInt16x lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Int16x top = Int16x{} + int32_t(qmax), bottom = -top;
+  // Adding and subtracting 1.5·2^23 rounds a float below 2^22 in magnitude half to even.
+  const float round_even = 12582912.0f;
+  int64_t c = 0;
+  for (; c + 16 <= count; c += 16) {
+    Float16x x, inv = Float16x{} + inverse[0];
+    std::memcpy(&x, v + c, sizeof x);
+    if constexpr (PerValue) std::memcpy(&inv, inverse + c, sizeof inv);
+    Int16x l;
     if constexpr (Stochastic) {
-      l = std::floor(std::fabs(v[c]) * inv + hash_uniform(first + uint32_t(c), offset));
-      l = v[c] < 0 ? -l : l;
+      const Float16x magnitude = (Float16x)((Int16x)x & 0x7fffffff);
+      const Float16x y = magnitude * inv + hash_uniform(lanes + (first + uint32_t(c)), offset);
+      l = __builtin_convertvector(y, Int16x);  // floor, as y ≥ 0 (a NaN gives some int: see level)
+      l = l < top ? l : top;
+      l = x < 0 ? -l : l;
     } else {
-      l = std::nearbyint(v[c] * inv);
+      l = __builtin_convertvector((x * inv + round_even) - round_even, Int16x);
+      l = l < top ? l : top;
     }
-    l = l < qmax ? l : qmax;  // a NaN level (non-finite scale) lands here: its product is NaN anyway
-    l = l > -qmax ? l : -qmax;
-    out[c] = int8_t(int32_t(l));
+    l = l > bottom ? l : bottom;
+    const Int8x16 q = __builtin_convertvector(l, Int8x16);
+    std::memcpy(out + c, &q, sizeof q);
+  }
+  const int64_t start = c;
+#pragma omp simd
+  for (int64_t i = start; i < count; ++i) {
+    out[i] = level<Stochastic>(v[i], PerValue ? inverse[i] : inverse[0], qmax, first + uint32_t(i), offset);
   }
 }
 
@@ -122,23 +165,25 @@ inline float scale_of(float amax, float qmax) {
   return s == 0.0f ? 1.0f : s;
 }
 
-struct SignTable {
-  float h[BLOCK][BLOCK];
-  constexpr SignTable() : h() {
-    for (int i = 0; i < BLOCK; ++i)
-      for (int j = 0; j < BLOCK; ++j) h[i][j] = (__builtin_popcount(i & j) & 1) ? -1.0f : 1.0f;
-  }
-};
-// Sylvester order, H[i][j] = (-1)^popcount(i & j), as hot_compile/hadamard.py builds it.
-constexpr SignTable HADAMARD;
 
+// One butterfly stage of the Hadamard transform of 16 values held together: lane i becomes
+// x[i] + x[i ^ h] where bit h of i is clear, x[i ^ h] − x[i] where it is set (exact: the ±1 is a sign).
+inline Float16x butterfly(Float16x x, Int16x partner, Float16x sign) { return x * sign + __builtin_shuffle(x, partner); }
+
+// In place: a block of 16 values times the Hadamard matrix, H[i][j] = (-1)^popcount(i & j) (Sylvester
+// order, as hot_compile/hadamard.py builds it), in 4 stages of a shuffle and an add.
 inline void hadamard16(float* v) {
-  float y[BLOCK] = {};
-  for (int j = 0; j < BLOCK; ++j) {
-#pragma omp simd
-    for (int i = 0; i < BLOCK; ++i) y[i] += HADAMARD.h[j][i] * v[j];
-  }
-  std::memcpy(v, y, sizeof y);
+  Float16x x;
+  std::memcpy(&x, v, sizeof x);
+  x = butterfly(x, Int16x{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
+                Float16x{1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1});
+  x = butterfly(x, Int16x{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                Float16x{1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1});
+  x = butterfly(x, Int16x{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                Float16x{1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1});
+  x = butterfly(x, Int16x{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                Float16x{1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1});
+  std::memcpy(v, &x, sizeof x);
 }
 
 template <typename T>
@@ -230,9 +275,40 @@ void load_tile(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
   }
 }
 
+// Folds `cols` transformed values into per-column max|y| (a NaN wins) and, with Sums, Σ|y| and Σy².
+template <bool Sums>
+inline void accumulate(const float* y, int64_t cols, float* amax, float* abs_sum, float* sq_sum) {
+  int64_t c = 0;
+  for (; c + 16 <= cols; c += 16) {
+    Float16x v, m;
+    std::memcpy(&v, y + c, sizeof v);
+    std::memcpy(&m, amax + c, sizeof m);
+    const Float16x a = (Float16x)((Int16x)v & 0x7fffffff);
+    m = ((a > m) | (a != a)) ? a : m;
+    std::memcpy(amax + c, &m, sizeof m);
+    if constexpr (Sums) {
+      Float16x s1, s2;
+      std::memcpy(&s1, abs_sum + c, sizeof s1);
+      std::memcpy(&s2, sq_sum + c, sizeof s2);
+      s1 += a;
+      s2 += v * v;
+      std::memcpy(abs_sum + c, &s1, sizeof s1);
+      std::memcpy(sq_sum + c, &s2, sizeof s2);
+    }
+  }
+  for (; c < cols; ++c) {
+    amax[c] = max_magnitude(amax[c], y[c]);
+    if constexpr (Sums) {
+      abs_sum[c] += std::fabs(y[c]);
+      sq_sum[c] += y[c] * y[c];
+    }
+  }
+}
+
 // Column transforms (along dim 0): whole blocks by `basis`, the rows after them zero-padded to 16 by
 // `tail` (when given), `out_rows` rows in all. Where every row of `basis` is a row of the Hadamard matrix,
-// `sylvester_rows` names them and whole blocks take the butterflies. stats: per-column max|y|, Σ|y|, Σy² of the result;
+// `sylvester_rows` names them and whole blocks take the butterflies. stats: per-column max|y| and, when
+// `abs_sum` is given, Σ|y| and Σy² of the result;
 // quantize: q = level(y / scale[c]) into [out_rows, k].
 template <typename T>
 void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, const float* basis,
@@ -241,9 +317,9 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
   const int64_t whole = n / BLOCK;
   const int64_t blocks = tail != nullptr && n % BLOCK ? whole + 1 : whole;
   const int64_t tiles = (k + TILE - 1) / TILE;
-  const bool stats = amax != nullptr;
-  if (stats) {
-    std::fill(amax, amax + k, 0.0f);
+  const bool stats = amax != nullptr, sums = abs_sum != nullptr;
+  if (stats) std::fill(amax, amax + k, 0.0f);
+  if (sums) {
     std::fill(abs_sum, abs_sum + k, 0.0f);
     std::fill(sq_sum, sq_sum + k, 0.0f);
   }
@@ -273,14 +349,10 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
           const int64_t out_row = b * rank + i;
           if (stats) {
             float* m = local.data() + c0;
-            float* s1 = m + k;
-            float* s2 = s1 + k;
-#pragma omp simd
-            for (int64_t c = 0; c < cols; ++c) {
-              const float y = result[i][c];
-              m[c] = max_magnitude(m[c], y);
-              s1[c] += std::fabs(y);
-              s2[c] += y * y;
+            if (sums) {
+              accumulate<true>(result[i], cols, m, m + k, m + 2 * k);
+            } else {
+              accumulate<false>(result[i], cols, m, nullptr, nullptr);
             }
           } else {
             quantize_span<true>(stochastic, result[i], inverse.data() + c0, cols, qmax, uint32_t(out_row * k + c0), offset,
@@ -293,8 +365,10 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
 #pragma omp critical
       for (int64_t c = 0; c < k; ++c) {
         amax[c] = max_magnitude(amax[c], local[c]);
-        abs_sum[c] += local[k + c];
-        sq_sum[c] += local[2 * k + c];
+        if (sums) {
+          abs_sum[c] += local[k + c];
+          sq_sum[c] += local[2 * k + c];
+        }
       }
     }
   }

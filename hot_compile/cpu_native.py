@@ -120,18 +120,27 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def column_statistics(
+def column_amax(x: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor | None, out_rows: int) -> torch.Tensor:
+    """``max|y|`` per column of the transformed ``x`` (see :func:`quantize_columns`)."""
+    return _column_statistics(x, basis, tail, out_rows, moments=False)[0]
+
+
+def column_moments(
     x: torch.Tensor, basis: torch.Tensor, tail: torch.Tensor | None, out_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per column of the transformed ``x`` (see :func:`quantize_columns`): ``max|y|``, ``Σ|y|``, ``Σy²``."""
+    """``max|y|``, ``Σ|y|`` and ``Σy²`` per column of the transformed ``x`` (see :func:`quantize_columns`)."""
+    return _column_statistics(x, basis, tail, out_rows, moments=True)
+
+
+def _column_statistics(x, basis, tail, out_rows, *, moments):
     lib, code = _library(), _dtype_code(x)
     n, k = x.shape
-    amax, abs_sum, sq_sum = torch.empty(k), torch.empty(k), torch.empty(k)
+    amax = torch.empty(k)
+    abs_sum, sq_sum = (torch.empty(k), torch.empty(k)) if moments else (None, None)
     sylvester_rows = _sylvester_rows(basis)
     lib.hot_cols_stats(
         x.data_ptr(), code, n, k, x.stride(0), x.stride(1), basis.data_ptr(), _ptr(sylvester_rows), _ptr(tail),
-        basis.shape[0], out_rows,
-        amax.data_ptr(), abs_sum.data_ptr(), sq_sum.data_ptr(),
+        basis.shape[0], out_rows, amax.data_ptr(), _ptr(abs_sum), _ptr(sq_sum),
     )  # fmt: skip
     return amax, abs_sum, sq_sum
 

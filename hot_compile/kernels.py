@@ -198,12 +198,13 @@ def _integer_product(a_bits: int, b_bits: int) -> Callable[[Tensor, Tensor], Ten
 def _quantize_weight(weight: Tensor, width: int, bits: int, quantizer: str, hadamard: bool, seed: Tensor):
     """HQ's ``q(BW)`` (``[width, K]``) and its scale: :func:`hot_compile.ops.hq_grad_input`'s weight side."""
     basis = _basis("hadamard" if hadamard else "identity")
-    amax, abs_sum, square_sum = cpu_native.column_statistics(weight, basis, basis, width)
     qm = qmax(bits)
     if quantizer == "sawb":
+        amax, abs_sum, square_sum = cpu_native.column_moments(weight, basis, basis, width)
         count = width * weight.shape[1]
         scale = guard_scale(sawb_clip_of_moments(square_sum.sum() / count, abs_sum.sum() / count, amax.amax()) / qm)
     else:
+        amax = cpu_native.column_amax(weight, basis, basis, width)
         scale = guard_scale((amax if quantizer == "per_channel" else amax.amax()) / qm)
     offset = cpu_native.noise_offset(seed, ops.SALT_WEIGHT)
     stochastic = quantizer != "sawb"
@@ -234,7 +235,7 @@ def _lowpass_columns(x: Tensor, rank: int) -> tuple[Tensor, Tensor, int]:
 def _(x, rank, bits, per_channel):
     x2, tail, rows = _lowpass_columns(x, rank)
     basis = _basis("walsh", rank)
-    amax, _, _ = cpu_native.column_statistics(x2, basis, tail, rows)
+    amax = cpu_native.column_amax(x2, basis, tail, rows)
     scale = guard_scale((amax if per_channel else amax.amax()) / qmax(bits))
     q = cpu_native.quantize_columns(x2, basis, tail, rows, bits, scale, stochastic=False)
     return q, scale.view(1, -1) if per_channel else scale
@@ -244,7 +245,7 @@ def _(x, rank, bits, per_channel):
 def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
     g2, tail, rows = _lowpass_columns(grad_output, rank)
     basis = _basis("walsh", rank)
-    amax, _, _ = cpu_native.column_statistics(g2, basis, tail, rows)
+    amax = cpu_native.column_amax(g2, basis, tail, rows)
     scale = guard_scale((amax if per_channel else amax.amax()) / qmax(bits))
     offset = cpu_native.noise_offset(seed, ops.SALT_GRAD_WEIGHT)
     qg = cpu_native.quantize_columns(g2, basis, tail, rows, bits, scale, stochastic=True, offset=offset)

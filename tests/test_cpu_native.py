@@ -41,7 +41,8 @@ def test_quantize_columns_is_the_quantizer_of_the_lowpass(rank, tokens):
     tail = hadamard.tail_basis(tokens % 16, rank)
     rows = hadamard.lowpass_rows(tokens, rank)
     projected = hadamard.lowpass(x, rank, tail)
-    amax, abs_sum, square_sum = cpu_native.column_statistics(x, hadamard.walsh_basis(rank), tail, rows)
+    amax, abs_sum, square_sum = cpu_native.column_moments(x, hadamard.walsh_basis(rank), tail, rows)
+    assert torch.equal(cpu_native.column_amax(x, hadamard.walsh_basis(rank), tail, rows), amax)
     torch.testing.assert_close(amax, projected.abs().amax(0), rtol=1e-6, atol=0)
     torch.testing.assert_close(abs_sum, projected.abs().sum(0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(square_sum, (projected * projected).sum(0), rtol=1e-5, atol=1e-5)
@@ -84,17 +85,17 @@ def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out
 def test_cpu_ops_run_the_fused_kernels(monkeypatch):
     """On the CPU each op runs its kernels, not the shape-generic compile of the composites."""
     calls = []
-    for name in ("quantize_rows", "column_statistics", "quantize_columns", "matmul_dequantized"):
+    for name in ("quantize_rows", "column_amax", "quantize_columns", "matmul_dequantized"):
         original = getattr(cpu_native, name)
         monkeypatch.setattr(cpu_native, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     built = kernels._build_seconds
     g, w, x = make("gaussian", 64, 48, 0), make("gaussian", 48, 32, 1), make("gaussian", 64, 32, 2)
     kernels.hq_grad_input(g, w, SEED, 8, 8, True, True, "per_channel")
-    assert calls == ["quantize_rows", "column_statistics", "quantize_columns", "matmul_dequantized"]
+    assert calls == ["quantize_rows", "column_amax", "quantize_columns", "matmul_dequantized"]
     calls.clear()
     xq, xs = kernels.compress_activation(x, 16, 8, True)
     kernels.hla_grad_weight(g, xq, xs, SEED, 16, 8, True, torch.float32)
-    assert calls == ["column_statistics", "quantize_columns"] * 2 + ["matmul_dequantized"]
+    assert calls == ["column_amax", "quantize_columns"] * 2 + ["matmul_dequantized"]
     assert kernels._build_seconds == built
 
 

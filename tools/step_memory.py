@@ -2,8 +2,9 @@
 
 ``tools/bench.py`` runs every variant in one process, so its peak RSS is the process's high-water
 mark, shared by all of them. Here each (model, variant) pair gets a fresh interpreter that builds the
-model, compiles it, runs warm-up steps, then resets the kernel's peak-RSS counter (``VmHWM``) and
-runs one more step. Reported: that step's peak RSS, its growth over the RSS before the step, and
+model, compiles it, runs warm-up steps, hands the heap's free memory back to the system
+(``malloc_trim``, so that what the compile and the warm-up steps left behind does not count), then
+resets the kernel's peak-RSS counter (``VmHWM``) and runs one more step. Reported: that step's peak RSS, its growth over the RSS before the step, and
 the bytes saved for backward, with ratios against Inductor bf16 (the variant a user of a CPU with
 bf16 runs; Inductor fp32 where bf16 is not measured).
 
@@ -13,6 +14,7 @@ bf16 runs; Inductor fp32 where bf16 is not measured).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import pathlib
 import subprocess
@@ -36,6 +38,7 @@ def _child(model: str, variant: str, threads: int) -> dict:
     runner.first_step()
     for i in range(WARMUP):
         runner.step(i + 1)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     peak, growth = runner.peak_rss()
     return {
         "model": model,
