@@ -20,9 +20,10 @@ library is built once per machine by Inductor's C++ toolchain and cached with it
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
-import functools
 import pathlib
+import threading
 import time
 
 import torch
@@ -44,20 +45,40 @@ _SIGNATURES = {
     "hot_dequantize": (_P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I),
 }
 
+# Seconds callers have waited for the library: the part of its build that did not overlap anything.
 build_seconds = 0.0
+_build: concurrent.futures.Future | None = None
+_build_lock = threading.Lock()
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    global build_seconds
+def _load() -> ctypes.CDLL:
     from torch._inductor.codecache import CppCodeCache
 
-    start = time.perf_counter()
     library = CppCodeCache.load(_SOURCE.read_text(), device_type="cpu")
-    build_seconds += time.perf_counter() - start
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None
+    return library
+
+
+def prepare() -> None:
+    """Start loading the library (building it on a machine's first use, about 2 s) on a worker thread,
+    so that the compiler runs while the rest of a model compiles. The graph pass calls this when it
+    inserts a CPU op; the first call of a kernel waits for it."""
+    global _build
+    with _build_lock:
+        if _build is None:
+            _build = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hot-cpu-kernels").submit(_load)
+
+
+def _library() -> ctypes.CDLL:
+    global build_seconds
+    prepare()
+    if _build.done():
+        return _build.result()
+    start = time.perf_counter()
+    library = _build.result()
+    build_seconds += time.perf_counter() - start
     return library
 
 

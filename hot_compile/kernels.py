@@ -181,6 +181,13 @@ def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
 # ------------------------------------------------------------------------------------------ CPU kernels
 
 
+def prepare(device: torch.device) -> None:
+    """Start building what the ops need on ``device`` ahead of their first call: on the CPU, the
+    library of :mod:`hot_compile.cpu_native` (in the background)."""
+    if device.type == "cpu":
+        cpu_native.prepare()
+
+
 @functools.cache
 def _basis(kind: str, rank: int = BLOCK) -> Tensor:
     """A ``[rank, 16]`` float32 basis of :func:`cpu_native.quantize_columns`."""

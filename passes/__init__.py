@@ -20,6 +20,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from ..config import HotConfig
 from ..devices import load_calibrated, resolve_profile
 from .. import inspection  # a module, not names: hot_compile.inspection reads passes.provenance
+from .. import kernels
 from ..report import Report, SiteRow, publish
 from .cost_model import SiteCost, grad_input_cost, grad_weight_cost
 from .decide import decide, why_not_selected
@@ -157,6 +158,8 @@ def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Re
     """
     planned = _plan_and_rewrite(graph, config)
     rewritten = [p for p in planned if p.decision != "kept"]
+    for device in {p.site.x2d.meta["val"].device for p in rewritten}:
+        kernels.prepare(device)
     for entry in rewritten:
         old = entry.site.grad_input.node if entry.path == "gx" else entry.site.grad_weight.node
         old.replace_all_uses_with(entry.replacement)

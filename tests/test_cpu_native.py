@@ -4,9 +4,11 @@ replace. The ops built on them are checked against float64 in ``test_ops.py`` (f
 import pytest
 import torch
 
-from hot_compile import cpu_native, hadamard, kernels, ops, quant
+from hot_compile import HotConfig, cpu_native, hadamard, kernels, ops, quant
 from tests import tolerances as tol
 from tests.data import make, rel_err
+from tests.harness import aot_compile
+from tests.models import MLP
 
 SEED = torch.tensor(5)
 
@@ -102,3 +104,14 @@ def test_cpu_ops_run_the_fused_kernels(monkeypatch):
 def test_unsupported_dtype_is_named():
     with pytest.raises(TypeError, match="float64"):
         cpu_native.quantize_rows(torch.zeros(4, 16, dtype=torch.float64), 8, width=16, hadamard=True, per_row=True)
+
+
+def test_the_pass_starts_loading_the_cpu_kernels(monkeypatch):
+    """The graph pass starts the library's build when it inserts CPU ops, before their first call."""
+    devices = []
+    prepare = kernels.prepare
+    monkeypatch.setattr(kernels, "prepare", lambda device: devices.append(device) or prepare(device))
+    compiled, graphs = aot_compile(MLP(32, 64, 32), HotConfig(policy="hot", strict=True))
+    compiled(torch.randn(2, 16, 32)).sum().backward()
+    assert devices == [torch.device("cpu")]
+    assert any(node.target is torch.ops.hot_compile.hq_grad_input.default for node in graphs.backward.graph.nodes)
