@@ -13,7 +13,7 @@ POLICIES = ("balanced", "hot", "speed", "memory", "off")
 # Keys a per-module override may set.
 OVERRIDABLE = (
     "policy", "gx_bits", "gw_bits", "rank", "gx_quantizer", "weight_quantizer", "gw_quantizer", "rewrite_gx",
-    "rewrite_gw", "hadamard", "max_slowdown", "exact_loss_head",
+    "rewrite_gw", "hadamard", "max_slowdown", "exact_loss_head", "forward_bits",
 )  # fmt: skip
 GX_QUANTIZERS = ("per_token", "per_tensor")
 WEIGHT_QUANTIZERS = ("per_channel", "stochastic", "sawb")
@@ -88,6 +88,11 @@ class HotConfig:
             one-hot, is a few spikes per row, and every layer below inherits its error.
         include: module-path globs to consider (``fnmatch`` against paths like ``blocks.0.mlp.fc1``).
         exclude: module-path globs to leave alone; wins over ``include``.
+        forward_bits: ``None`` (the default) leaves the forward product of every linear to Inductor, as
+            the paper does; 2..8 runs it on integer operands of that width
+            (:func:`hot_compile.ops.int8_linear`: Hadamard-transformed along the contraction, rounded to
+            nearest, one scale per token and per output feature). A site's forward is then a row of
+            its own (path ``"fwd"``), under the same policy, cost model and loss-head rule.
         rewrite_gx: rewrite grad_input products (HQ); off leaves them to Inductor.
         rewrite_gw: rewrite grad_weight products (HLA with ABC); off leaves them and ``x`` as they were.
         hadamard: transform before quantizing in HQ; off quantizes ``g`` and ``W`` as they are (plain
@@ -110,6 +115,7 @@ class HotConfig:
     weight_quantizer: str = "per_channel"
     gw_quantizer: str = "per_channel"
     exact_loss_head: bool = True
+    forward_bits: int | None = None
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     rewrite_gx: bool = True
@@ -131,6 +137,8 @@ class HotConfig:
                 continue
             if type(value) is not int or not MIN_BITS <= value <= MAX_BITS:
                 _fail(key, value, f"an int in {MIN_BITS}..{MAX_BITS}" + (" or 'auto'" if key == "gx_bits" else ""))
+        if self.forward_bits is not None and (type(self.forward_bits) is not int or not MIN_BITS <= self.forward_bits <= MAX_BITS):
+            _fail("forward_bits", self.forward_bits, f"None or an int in {MIN_BITS}..{MAX_BITS}")
         if type(self.rank) is not int or not 1 <= self.rank <= 16:
             _fail("rank", self.rank, "an int in 1..16")
         if self.gx_quantizer not in GX_QUANTIZERS:

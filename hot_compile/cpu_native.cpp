@@ -376,7 +376,8 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
 
 template <typename Out>
 void dequantize(const int32_t* acc, int64_t rows, int64_t cols, int64_t acc_stride, const float* row_scale,
-                int64_t row_scale_stride, const float* col_scale, int64_t col_scale_stride, float divisor, Out* out) {
+                int64_t row_scale_stride, const float* col_scale, int64_t col_scale_stride, float divisor,
+                const float* bias, Out* out) {
 #pragma omp parallel
   {
     std::vector<float> column(cols);
@@ -386,8 +387,13 @@ void dequantize(const int32_t* acc, int64_t rows, int64_t cols, int64_t acc_stri
       const float s = row_scale[r * row_scale_stride];
       const int32_t* a = acc + r * acc_stride;
       Out* o = out + r * cols;
+      if (bias != nullptr) {
 #pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) store(float(a[c]) * (s * column[c]), o + c);
+        for (int64_t c = 0; c < cols; ++c) store(float(a[c]) * (s * column[c]) + bias[c], o + c);
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) store(float(a[c]) * (s * column[c]), o + c);
+      }
     }
   }
 }
@@ -434,17 +440,17 @@ void hot_cols_quantize(const void* x, int64_t dtype, int64_t n, int64_t k, int64
 
 void hot_dequantize(const int32_t* acc, int64_t rows, int64_t cols, int64_t acc_stride, const float* row_scale,
                     int64_t row_scale_stride, const float* col_scale, int64_t col_scale_stride, float divisor,
-                    void* out, int64_t out_dtype) {
+                    const float* bias, void* out, int64_t out_dtype) {
   switch (out_dtype) {
     case FLOAT32:
       return dequantize(acc, rows, cols, acc_stride, row_scale, row_scale_stride, col_scale, col_scale_stride,
-                        divisor, static_cast<float*>(out));
+                        divisor, bias, static_cast<float*>(out));
     case BFLOAT16:
       return dequantize(acc, rows, cols, acc_stride, row_scale, row_scale_stride, col_scale, col_scale_stride,
-                        divisor, static_cast<BFloat16*>(out));
+                        divisor, bias, static_cast<BFloat16*>(out));
     default:
       return dequantize(acc, rows, cols, acc_stride, row_scale, row_scale_stride, col_scale, col_scale_stride,
-                        divisor, static_cast<_Float16*>(out));
+                        divisor, bias, static_cast<_Float16*>(out));
   }
 }
 

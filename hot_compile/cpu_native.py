@@ -42,7 +42,7 @@ _SIGNATURES = {
     "hot_rows_quantize": (_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _U, _P, _I, _P, _P, _P),
     "hot_cols_stats": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P),
     "hot_cols_quantize": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _U, _P),
-    "hot_dequantize": (_P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _I),
+    "hot_dequantize": (_P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
 }
 
 # Seconds callers have waited for the library: the part of its build that did not overlap anything.
@@ -205,10 +205,12 @@ def matmul_dequantized(
     divisor: float,
     out_dtype: torch.dtype,
     matmul,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``matmul(a, b) · row_scale · col_scale / divisor`` in ``out_dtype``: ``a: [M, K]``, ``b: [K, N]``
-    int8, ``matmul`` their exact int32 product (:func:`hot_compile.ops.int8_matmul`), ``row_scale``
-    ``[M]``-sized or one value, ``col_scale`` ``[N]``-sized or one value (float32, contiguous)."""
+    """``matmul(a, b) · row_scale · col_scale / divisor (+ bias)`` in ``out_dtype``: ``a: [M, K]``,
+    ``b: [K, N]`` int8, ``matmul`` their exact int32 product (:func:`hot_compile.ops.int8_matmul`),
+    ``row_scale`` ``[M]``-sized or one value, ``col_scale`` ``[N]``-sized or one value (float32,
+    contiguous), ``bias`` ``[N]`` of any float dtype."""
     lib = _library()
     m, n = a.shape[0], b.shape[1]
     out = torch.empty(m, n, dtype=out_dtype)
@@ -216,12 +218,13 @@ def matmul_dequantized(
     rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * max(n, 1)))
     row_ptr, row_stride = _scale_arg(row_scale)
     col_ptr, col_stride = _scale_arg(col_scale)
+    bias = None if bias is None else bias.to(torch.float32).contiguous()
     for start in range(0, m, rows):
         stop = min(m, start + rows)
         acc = matmul(a[start:stop], b)
         offset_ptr = row_ptr + 4 * start * row_stride
         lib.hot_dequantize(
             acc.data_ptr(), stop - start, n, acc.stride(0), offset_ptr, row_stride, col_ptr, col_stride,
-            divisor, out[start:stop].data_ptr(), code,
+            divisor, _ptr(bias), out[start:stop].data_ptr(), code,
         )  # fmt: skip
     return out

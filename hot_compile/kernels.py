@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -178,6 +178,20 @@ def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
     return grad_output.new_empty(grad_output.shape[-1], x_q.shape[1], dtype=out_dtype)
 
 
+def compiled_int8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], bits: int) -> Tensor:
+    """:func:`hot_compile.ops.int8_linear` by the shape-generic compile: ``[..., K] × [N, K] → [..., N]``."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    return _run(ops.int8_linear, *tensors, bits=bits).contiguous()
+
+
+int8_linear = torch.library.custom_op("hot_compile::int8_linear", compiled_int8_linear, mutates_args=())
+
+
+@int8_linear.register_fake
+def _(x, weight, bias, bits):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 # ------------------------------------------------------------------------------------------ CPU kernels
 
 
@@ -259,3 +273,15 @@ def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
     # grad_W = q(P g)ᵀ q(P x): the rows of the product are g's channels, scaled by g's scales.
     product = _integer_product(bits, bits)
     return cpu_native.matmul_dequantized(qg.t(), x_q, scale, x_scale.contiguous(), BLOCK, out_dtype, product)
+
+
+@int8_linear.register_kernel("cpu")
+def _(x, weight, bias, bits):
+    n, k = weight.shape
+    width = padded_length(k)
+    rows = dict(bits=bits, width=width, hadamard=True, per_row=True, stochastic=False)
+    qx, sx = cpu_native.quantize_rows(x.reshape(-1, k), **rows)
+    qw, sw = cpu_native.quantize_rows(weight, **rows)
+    product = _integer_product(bits, bits)
+    out = cpu_native.matmul_dequantized(qx, qw.t(), sx, sw, BLOCK, x.dtype, product, bias=bias)
+    return out.view(*x.shape[:-1], n)

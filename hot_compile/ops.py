@@ -24,6 +24,7 @@ SALT_WEIGHT = 3
 
 DEFAULT_GX_BITS = 8
 DEFAULT_GW_BITS = 8
+DEFAULT_FORWARD_BITS = 8
 # The full Walsh basis: no low-rank cut unless calibration shows neighbouring tokens are alike.
 DEFAULT_RANK = 16
 
@@ -251,3 +252,27 @@ def hla_grad_weight(
     # sg is [1, N] (or 0-d): as a column it scales the rows of the [N, K] product.
     out = int8_matmul(qg.t(), x_q, qmax(bits), qmax(bits)).to(torch.float32) * (sg.t() * (x_scale / BLOCK))
     return out.to(out_dtype or grad_output.dtype)
+
+
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, bits: int = DEFAULT_FORWARD_BITS
+) -> torch.Tensor:
+    """The forward product of a linear, ``x Wᵀ + b``, on integer operands (HOT itself leaves the forward
+    exact; this is the option ``HotConfig.forward_bits``).
+
+    ``x Wᵀ = (x B)(W B)ᵀ / 16`` with ``B = blockdiag(H16, …)`` along ``K``, so
+    ``y ≈ int_mm(q(xB), q(WB)ᵀ) · s_x · s_w / 16 + b``. Both operands are rounded to nearest (a forward
+    value, not a gradient estimate: no noise), with one scale per token of ``x`` and one per output
+    feature of ``W``: the dimensions the product does not contract, so the scales factor out of the
+    integer GEMM. The transform spreads an outlier feature over its block of 16 before the scales are
+    taken. Returns ``[..., N]`` in ``x``'s dtype.
+    """
+    n, k = weight.shape
+    x2 = block_hadamard(x.reshape(-1, k).float(), 1)
+    w = block_hadamard(weight.float(), 1)
+    qx, sx = quantize_nearest(x2, bits, dim=-1)
+    qw, sw = quantize_nearest(w, bits, dim=-1)
+    out = int8_matmul(qx, qw.t(), qmax(bits), qmax(bits)).to(torch.float32) * (sx * (sw.t() / BLOCK))
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)

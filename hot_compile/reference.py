@@ -115,3 +115,13 @@ def hla_grad_weight(g, x_q, x_scale, seed, *, rank=16, bits=8, per_channel=True)
 def lowpass_product(g, x, rank=8):
     """The unquantized HLA target ``(P_L g)ᵀ (P_L x) / 16``."""
     return lowpass(g, rank).T @ lowpass(x, rank) / BLOCK
+
+
+def int8_linear(x, w, bias=None, *, bits=8):
+    n, k = w.shape
+    qx, sx = nearest(block_transform(x.reshape(-1, k).to(F64), sylvester_hadamard(), 1), bits, -1)
+    qw, sw = nearest(block_transform(w.to(F64), sylvester_hadamard(), 1), bits, -1)
+    out = (qx @ qw.T) * sx * sw.T / BLOCK
+    if bias is not None:
+        out = out + bias.to(F64)
+    return out.reshape(*x.shape[:-1], n)

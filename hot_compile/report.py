@@ -25,7 +25,7 @@ class SiteRow:
     """
 
     module: str
-    path: str  # "gx" (grad_input) or "gw" (grad_weight)
+    path: str  # "gx" (grad_input), "gw" (grad_weight), or "fwd" (the forward, with HotConfig.forward_bits)
     shape: str  # "L×N @ N×K" for gx, "N×L @ L×K" for gw
     dtype: str
     decision: str  # "HQ", "HLA+ABC" or "kept"

@@ -22,10 +22,11 @@ from ..devices import load_calibrated, resolve_profile
 from .. import inspection  # a module, not names: hot_compile.inspection reads passes.provenance
 from .. import kernels
 from ..report import Report, SiteRow, publish
-from .cost_model import SiteCost, grad_input_cost, grad_weight_cost
+from .cost_model import SiteCost, forward_cost, grad_input_cost, grad_weight_cost
 from .decide import decide, why_not_selected
 from .numerics import describe, resolve_numerics
-from .legality import why_illegal
+from .legality import why_illegal, why_illegal_forward
+from .rewrite_forward import forward_bias, rewrite_forward
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
 from .sites import LinearSite, backward_nodes, find_linear_sites, same_value
@@ -50,7 +51,7 @@ def _bytes(val) -> int:
 class _Planned:
     site: LinearSite
     config: HotConfig  # the site's own, overrides and plan applied
-    path: str  # "gx" | "gw"
+    path: str  # "fwd" | "gx" | "gw"
     decision: str  # "HQ" | "HLA+ABC" | "kept"
     reason: str
     cost: SiteCost | None
@@ -69,6 +70,8 @@ def _estimate(site: LinearSite, path: str, config: HotConfig, profile) -> tuple[
     l, n, k = (_hint(d) for d in site.shapes)
     val = site.x2d.meta["val"]
     flops = profile.matmul_rate(val.dtype)
+    if path == "fwd":
+        return l * n * k, forward_cost(l, n, k, val.element_size(), flops, profile, config.forward_bits)
     if path == "gx":
         return l * n * k, grad_input_cost(l, n, k, val.element_size(), flops, profile, config.gx_bits)
     return l * n * k, grad_weight_cost(l, n, k, config.rank, val.element_size(), flops, profile, config.gw_bits)
@@ -76,7 +79,7 @@ def _estimate(site: LinearSite, path: str, config: HotConfig, profile) -> tuple[
 
 def _shape(site: LinearSite, path: str) -> str:
     l, n, k = (_hint(d) for d in site.shapes)
-    return f"{l}×{n} @ {n}×{k}" if path == "gx" else f"{n}×{l} @ {l}×{k}"
+    return {"fwd": f"{l}×{k} @ {k}×{n}", "gx": f"{l}×{n} @ {n}×{k}"}.get(path, f"{n}×{l} @ {l}×{k}")
 
 
 def _other_backward_readers(graph: fx.Graph, backward: set[fx.Node], x2d: fx.Node) -> list[str]:
@@ -98,18 +101,26 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
         for site in find_linear_sites(graph):
             profile = _profile(site, config, profiles)
             site_config = resolve_numerics(config.for_module(site.module_path), profile)
-            for path, use in (("gx", site.grad_input), ("gw", site.grad_weight)):
+            # The forward is planned only where forward_bits asks for it: by default a site has no fwd row.
+            forward = site.linear if site_config.forward_bits is not None else None
+            for path, use in (("fwd", forward), ("gx", site.grad_input), ("gw", site.grad_weight)):
                 if use is None:
                     continue
                 skipped = why_not_selected(site.module_path, path, site_config, site.feeds_cross_entropy)
-                skipped = skipped or why_illegal(site, use, path, site_config)
+                if path == "fwd":
+                    skipped = skipped or why_illegal_forward(site, forward_bias(site))
+                else:
+                    skipped = skipped or why_illegal(site, use, path, site_config)
                 if skipped:
                     planned.append(_Planned(site, site_config, path, "kept", skipped, None))
                     continue
                 mnk, cost = _estimate(site, path, site_config, profile)
                 decision = decide(path, mnk, cost, site_config)
                 entry = _Planned(site, site_config, path, "kept", decision.reason, cost)
-                if decision.rewrite and path == "gx":
+                if decision.rewrite and path == "fwd":
+                    entry.decision = "HQ"
+                    entry.replacement = rewrite_forward(graph, site, site_config, created)
+                elif decision.rewrite and path == "gx":
                     entry.decision = "HQ"
                     entry.replacement = rewrite_grad_input(graph, site, site_config, created)
                 elif decision.rewrite:
@@ -161,7 +172,10 @@ def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Re
     for device in {p.site.x2d.meta["val"].device for p in rewritten}:
         kernels.prepare(device)
     for entry in rewritten:
-        old = entry.site.grad_input.node if entry.path == "gx" else entry.site.grad_weight.node
+        if entry.path == "fwd":
+            old = entry.site.linear
+        else:
+            old = entry.site.grad_input.node if entry.path == "gx" else entry.site.grad_weight.node
         old.replace_all_uses_with(entry.replacement)
         graph.erase_node(old)
     backward = backward_nodes(graph)  # once: the rows only read the rewritten graph

@@ -106,3 +106,13 @@ def grad_weight_cost(
         saved_bytes_before=l * k * elem_bytes,
         saved_bytes_after=compressed_bytes(l, k, rank),
     )
+
+
+def forward_cost(l: int, n: int, k: int, elem_bytes: int, flops: float, profile: DeviceProfile, bits: int) -> SiteCost:
+    """forward ``[L, K] @ [K, N]`` with ``bits``-bit operands (``HotConfig.forward_bits``): HQ's
+    costs with the roles of ``N`` and ``K`` exchanged, the contraction being ``K``.
+
+    original = ``2LKN/F + LNb/W + c``;
+    INT = quantize(x: L×K → L·Kp) + quantize(W: N×K → N·Kp) + ``2·L·Kp·N/I`` + dequantize(L×N).
+    """
+    return grad_input_cost(l, k, n, elem_bytes, flops, profile, bits)

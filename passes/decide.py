@@ -36,7 +36,7 @@ def why_not_selected(module_path: str, path: str, config: HotConfig, loss_head: 
     costs, or None: the filters that need no estimate, checked before the cost model runs."""
     if config.policy == "off":
         return "policy='off'"
-    if not (config.rewrite_gx if path == "gx" else config.rewrite_gw):
+    if path != "fwd" and not (config.rewrite_gx if path == "gx" else config.rewrite_gw):
         return f"rewrite_{path}=False"
     if not config.selects(module_path):
         return "excluded by include/exclude globs"
@@ -49,7 +49,7 @@ def why_not_selected(module_path: str, path: str, config: HotConfig, loss_head: 
 
 
 def decide(path: str, mnk: int, cost: SiteCost, config: HotConfig) -> Decision:
-    """Rewrite or keep a ``path`` ("gx"/"gw") site under ``config`` (already resolved for its module and
+    """Rewrite or keep a ``path`` ("fwd"/"gx"/"gw") site under ``config`` (already resolved for its module and
     passed by :func:`why_not_selected`), given its ``M·N·K`` and cost estimate."""
     estimate = _estimate(cost)
     saving = ""

@@ -24,6 +24,9 @@ def _with_source(value: object, source: str) -> str:
 def describe(path: str, site: HotConfig, config: HotConfig, module_path: str) -> str:
     """What a rewritten ``path`` site computes under its resolved config ``site``, each choice with its
     source where it is not ``config``'s own value (the device, the plan, an override)."""
+    if path == "fwd":
+        bits = _with_source(f"INT{site.forward_bits}", config.source(module_path, "forward_bits"))
+        return f"{bits} x per_token, W per_channel, nearest"
     if path == "gx":
         bits_source = "auto: device" if config.gx_bits == AUTO else config.source(module_path, "gx_bits")
         bits = _with_source(f"INT{site.gx_bits}", bits_source)

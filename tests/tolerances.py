@@ -52,6 +52,10 @@ HQ_HALF_PRECISION = INT8_PER_SLICE_PRODUCT + 2**-8
 # proj, then q/k/v), so √(1 + 4) products' worth (measured: at most 0.019 on a block).
 MAX_STACKED_GRAD_INPUTS = 4
 E2E_GRAD = INT8_PER_SLICE_PRODUCT * (1 + MAX_STACKED_GRAD_INPUTS) ** 0.5
+# With integer forward products too (HotConfig.forward_bits): a gradient then also carries the error of
+# the activations it is computed at, which stacks over the same ≤ 4 forward products as E2E_GRAD's
+# backward ones; the two add at most linearly.
+E2E_GRAD_INT8_FORWARD = 2 * E2E_GRAD
 # The same with rank 8 on token-smooth inputs, where the low-rank cut adds its own small error.
 E2E_GRAD_RANK8_SMOOTH = E2E_GRAD + HLA_RANK8_SMOOTH
 

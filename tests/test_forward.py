@@ -1,0 +1,108 @@
+"""The integer forward (``HotConfig.forward_bits``): the op against float64, and the rewrite in the pass."""
+
+import copy
+
+import pytest
+import torch
+
+import hot_compile
+from hot_compile import HotConfig, kernels, ops, reference
+from tests import tolerances as tol
+from tests.data import make, rel_err
+from tests.harness import aot_compile
+from tests.models import MLP, Block, grad_errors
+
+L, N, K = 200, 48, 72  # K not a multiple of 16: the transform pads it
+
+
+class _CpuKernel:
+    @staticmethod
+    def int8_linear(x, w, bias=None, *, bits=8):
+        return kernels.int8_linear(x, w, bias, bits)
+
+
+@pytest.fixture(params=["composite", "cpu_kernel"])
+def impl(request):
+    return ops if request.param == "composite" else _CpuKernel
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(L,), (4, 50)])
+def test_int8_linear_matches_reference_and_the_exact_product(impl, shape, bias):
+    x = make("outlier", L, K, 0).reshape(*shape, K)
+    w = make("gaussian", N, K, 1) / K**0.5
+    b = torch.randn(N) if bias else None
+    out = impl.int8_linear(x, w, b)
+    assert out.shape == (*shape, N) and out.dtype == x.dtype
+    assert rel_err(out, reference.int8_linear(x, w, b)) < tol.FP32_VS_REFERENCE
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert rel_err(out, exact) < tol.INT8_PER_SLICE_PRODUCT
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_linear_in_half_precision(impl, dtype):
+    x, w, b = make("gaussian", L, K, 0).to(dtype), make("gaussian", N, K, 1).to(dtype), torch.randn(N, dtype=dtype)
+    out = impl.int8_linear(x, w, b)
+    assert out.dtype == dtype
+    assert rel_err(out, x.double() @ w.double().T + b.double()) < tol.HQ_HALF_PRECISION
+
+
+def test_int8_linear_of_zeros_and_non_finite_inputs(impl):
+    w = make("gaussian", N, K, 1)
+    assert torch.equal(impl.int8_linear(torch.zeros(L, K), w), torch.zeros(L, N))
+    x = make("gaussian", L, K, 0)
+    x[7, 3] = float("nan")
+    out = impl.int8_linear(x, w)
+    assert not torch.isfinite(out[7]).any() and torch.isfinite(out[8]).all()
+
+
+def test_int8_linear_passes_opcheck():
+    x, w = make("gaussian", L, K, 0), make("gaussian", N, K, 1)
+    torch.library.opcheck(kernels.int8_linear, (x, w, torch.randn(N), 8))
+    torch.library.opcheck(kernels.int8_linear, (x, w, None, 6))
+
+
+def _forward_rows(config):
+    compiled, graphs = aot_compile(MLP(32, 64, 32), config)
+    x = torch.randn(2, 40, 32)
+    out = compiled(x)
+    out.sum().backward()
+    return graphs, hot_compile.last_report()
+
+
+def test_forward_is_exact_unless_forward_bits_is_set():
+    graphs, report = _forward_rows(HotConfig(policy="hot", strict=True))
+    assert report.select(path="fwd") == []
+    assert not any(n.target is torch.ops.hot_compile.int8_linear.default for n in graphs.forward.graph.nodes)
+
+
+def test_forward_bits_rewrites_every_forward_product():
+    graphs, report = _forward_rows(HotConfig(policy="hot", strict=True, forward_bits=8))
+    rows = report.select(path="fwd")
+    assert [r.decision for r in rows] == ["HQ", "HQ"] and all("INT8 x per_token" in r.numerics for r in rows)
+    ops_in_forward = [n for n in graphs.forward.graph.nodes if n.target is torch.ops.hot_compile.int8_linear.default]
+    assert len(ops_in_forward) == 2
+    assert all(n.meta["hot_compile"]["path"] == "fwd" for n in ops_in_forward)
+    assert not any(n.target in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default) for n in graphs.forward.graph.nodes)
+
+
+def test_forward_bits_through_inductor_matches_the_exact_model():
+    """A transformer block with integer forward and backward products: the output and every gradient
+    within their INT8 bounds against float64, and the report says the forwards were rewritten."""
+    torch.manual_seed(0)
+    model = Block(32, 4)
+    x = torch.randn(2, 48, 32)
+    options = {"policy": "hot", "strict": True, "forward_bits": 8}
+    compiled = torch.compile(model, backend="hot", options=options)
+    exact = copy.deepcopy(model).double()(x.double())
+    assert rel_err(compiled(x), exact) < tol.E2E_GRAD
+    assert len(hot_compile.last_report().select(path="fwd", decision="HQ")) == 6  # q, k, v, proj, fc1, fc2
+    errors = grad_errors(model, compiled, x)
+    assert errors and max(errors.values()) < tol.E2E_GRAD_INT8_FORWARD, errors
+
+
+def test_forward_bits_is_validated():
+    with pytest.raises(ValueError, match="forward_bits"):
+        HotConfig(forward_bits=9)
+    with pytest.raises(ValueError, match="forward_bits"):
+        HotConfig(forward_bits="8")
