@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import kernels
-from .config import POLICIES
+from .config import POLICIES, HotConfig
 from .devices import median_seconds
 from .memory import saved_for_backward_bytes
 
@@ -152,6 +152,7 @@ class BenchSpec:
     threads: int | None = None
     fresh_cache: bool = True
     hot_policy: str = "hot"
+    hot_forward_bits: int | None = None  # HotConfig.forward_bits of the hot variants
     seed: int = 0
 
     def __post_init__(self):
@@ -161,8 +162,18 @@ class BenchSpec:
                 raise ValueError(f"{key}={getattr(self, key)!r}: accepted are non-empty subsets of {allowed}")
         if self.hot_policy not in POLICIES:
             raise ValueError(f"hot_policy={self.hot_policy!r}: accepted are {POLICIES}")
+        HotConfig(**self.hot_options())  # a bad hot_forward_bits fails here, with HotConfig's message
         if self.repeats < 1 or self.warmup < 0 or self.inputs < 1:
             raise ValueError("repeats and inputs must be ≥ 1 and warmup ≥ 0")
+
+    def hot_options(self) -> dict[str, Any]:
+        """The ``options`` of the hot variants' ``torch.compile``."""
+        return hot_options(self.hot_policy, self.hot_forward_bits)
+
+
+def hot_options(policy: str, forward_bits: int | None = None) -> dict[str, Any]:
+    """``torch.compile`` options of a hot variant."""
+    return {"policy": policy} if forward_bits is None else {"policy": policy, "forward_bits": forward_bits}
 
 
 TINY = dict(
@@ -251,7 +262,7 @@ def variant_unavailable(variant: str) -> str | None:
     return None
 
 
-def _compile(variant: str, model: nn.Module, hot_policy: str) -> nn.Module:
+def _compile(variant: str, model: nn.Module, options: dict[str, Any]) -> nn.Module:
     if variant == "torchao-int8":
         from torchao import quantize_
         from torchao.prototype.quantized_training import int8_mixed_precision_training
@@ -261,7 +272,7 @@ def _compile(variant: str, model: nn.Module, hot_policy: str) -> nn.Module:
         # the default weight-subclass form never reaches its int8 path (plain F.linear runs).
         quantize_(model, int8_mixed_precision_training(module_swap=True))
     if variant.startswith("hot"):
-        return torch.compile(model, backend="hot", options={"policy": hot_policy})
+        return torch.compile(model, backend="hot", options=options)
     return torch.compile(model, backend="inductor")
 
 
@@ -292,10 +303,10 @@ def _reset_peak_rss() -> bool:
 class Runner:
     """One compiled variant of a case, with its own copy of the weights."""
 
-    def __init__(self, variant: str, case: Case, fresh_cache: bool, hot_policy: str):
+    def __init__(self, variant: str, case: Case, fresh_cache: bool, hot_policy: str, hot_forward_bits: int | None = None):
         self.variant, self.case, self.fresh_cache = variant, case, fresh_cache
         self.model = case.build()
-        self.compiled = _compile(variant, self.model, hot_policy)
+        self.compiled = _compile(variant, self.model, hot_options(hot_policy, hot_forward_bits))
         # After compiling: torchao swaps the weights for its own parameters.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.fwd_bwd: list[float] = []
@@ -446,7 +457,7 @@ def run_case(case: Case, spec: BenchSpec, log: Callable[[str], None]) -> list[di
         if why:
             log(f"  {variant}: skipped, {why}")
             continue
-        runner = Runner(variant, case, spec.fresh_cache, spec.hot_policy)
+        runner = Runner(variant, case, spec.fresh_cache, spec.hot_policy, spec.hot_forward_bits)
         runner.first_step()
         log(f"  {variant}: first step (compile) {runner.first_step_s:.1f} s")
         runners.append(runner)
@@ -581,7 +592,7 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
     spec = result["spec"]
     lines += [
         "",
-        f"hot variants: `torch.compile(model, backend=\"hot\", options={{\"policy\": \"{spec['hot_policy']}\"}})`; "
+        f"hot variants: `torch.compile(model, backend=\"hot\", options={hot_options(spec['hot_policy'], spec.get('hot_forward_bits'))})`; "
         "bf16 variants run the forward under `torch.autocast(\"cpu\", torch.bfloat16)`.",
         "",
         f"Medians of {spec['repeats']} interleaved steps after {spec['warmup']} warm-up steps; ratios are against "

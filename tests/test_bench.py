@@ -78,6 +78,14 @@ def test_bf16_and_torchao_variants_run(tmp_path):
     assert rows["hot-bf16"]["bwd_vs_same_precision"] is not None
 
 
+def test_hot_forward_bits_reaches_the_hot_variants(tmp_path):
+    assert cli.main(_tiny(tmp_path, "--models", "mlp", "--variants", "hot-fp32", "--repeats", "1", "--hot-forward-bits", "8")) == 0
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    sites = result["cases"][0]["rows"][0]["hot_sites"]
+    assert [s["decision"] for s in sites if s["path"] == "fwd"] == ["HQ", "HQ"]
+    assert "--hot-forward-bits 8" in result["command"]
+
+
 def test_missing_model_package_is_skipped_not_failed(tmp_path, monkeypatch):
     import builtins
 
@@ -104,7 +112,9 @@ def test_update_section_replaces_only_its_own_section(tmp_path):
     assert text.index("## Speed and memory") < text.index("## Training fidelity") and "theirs" in text
 
 
-@pytest.mark.parametrize("bad", [{"models": ("resnet",)}, {"variants": ()}, {"repeats": 0}, {"hot_policy": "fast"}])
+@pytest.mark.parametrize(
+    "bad", [{"models": ("resnet",)}, {"variants": ()}, {"repeats": 0}, {"hot_policy": "fast"}, {"hot_forward_bits": 9}]
+)
 def test_bad_spec_rejected(bad):
     with pytest.raises(ValueError):
         bench.BenchSpec(**bad)

@@ -32,6 +32,12 @@ def test_batches_follow_the_seed_only():
     assert all(torch.equal(a, b) for a, b in zip(first[0], second))
 
 
+def test_comparison_takes_options_on_top_of_the_task_configuration():
+    inductor, hot = runner.comparison_variants("gpt", forward_bits=8)
+    assert inductor.config is None
+    assert hot.config == runner.spec("gpt").hot.replace(forward_bits=8)
+
+
 def test_side_by_side_same_start_same_data():
     task = gpt.ByteLMTask(gpt.TINY, eval_windows=4)
     seen = []

@@ -5,6 +5,8 @@ the comparison (the numbers in BENCHMARKS.md). ``ablation`` runs task 1 with eac
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 
 from . import runner
@@ -17,12 +19,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="tiny model and data, a few steps")
     parser.add_argument("--json", metavar="PATH", help="also write every number (curves, reports) as JSON")
+    parser.add_argument(
+        "--options", type=json.loads, default={}, metavar="JSON",
+        help="HotConfig settings of the hot variant on top of the task's, e.g. '{\"forward_bits\": 8}'",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.task == "gradient-error":
         return _gradient_errors(args)
 
     name = "gpt" if args.task == "ablation" else args.task
-    variants = runner.ablation_variants(runner.spec("gpt").hot) if args.task == "ablation" else None
+    if args.task == "ablation":
+        variants = runner.ablation_variants(dataclasses.replace(runner.spec("gpt").hot, **args.options))
+    else:
+        variants = runner.comparison_variants(name, **args.options)
 
     def progress(step: int, losses: dict[str, float]) -> None:
         if step % 50 == 0:
@@ -39,8 +48,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _gradient_errors(args: argparse.Namespace) -> int:
-    import json
-
     from .gradient_noise import gradient_error
 
     measured = {}

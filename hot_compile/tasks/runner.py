@@ -61,9 +61,10 @@ def spec(name: str) -> TaskSpec:
     return specs[name]
 
 
-def comparison_variants(name: str) -> list[Variant]:
-    """``backend="inductor"`` fp32 and ``backend="hot"`` with the task's configuration."""
-    return [INDUCTOR, Variant("hot", spec(name).hot)]
+def comparison_variants(name: str, **options) -> list[Variant]:
+    """``backend="inductor"`` fp32 and ``backend="hot"`` with the task's configuration, and ``options``
+    on top of it."""
+    return [INDUCTOR, Variant("hot", dataclasses.replace(spec(name).hot, **options))]
 
 
 def ablation_variants(base: HotConfig) -> list[Variant]:
