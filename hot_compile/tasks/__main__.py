@@ -53,7 +53,7 @@ def _gradient_errors(args: argparse.Namespace) -> int:
     measured = {}
     for name in runner.TASKS:
         spec = runner.spec(name)
-        options = {"policy": spec.hot.policy}
+        options = {"policy": spec.hot.policy, **args.options}
         result = gradient_error(spec.build(args.tiny), options, seed=args.seed)
         measured[name] = {"options": options, **result.as_dict()}
         print(
