@@ -18,7 +18,8 @@ OVERRIDABLE = (
 GX_QUANTIZERS = ("per_token", "per_tensor")
 WEIGHT_QUANTIZERS = ("per_channel", "stochastic", "sawb")
 GW_QUANTIZERS = ("per_channel", "per_tensor")
-# gx_bits="auto": the widest bit width the device's integer GEMM runs at its narrow operands' rate.
+# gx_bits / forward_bits "auto": the widest bit width the device's integer GEMM runs at its narrow
+# operands' rate.
 AUTO = "auto"
 
 # The paper's recipe (Kim et al., CVPR 2025; the official code's defaults) on every linear:
@@ -31,6 +32,7 @@ PAPER_RECIPE = {
     "gw_quantizer": "per_tensor",
     "rank": 8,
     "exact_loss_head": False,
+    "forward_bits": None,
 }
 
 
@@ -88,11 +90,12 @@ class HotConfig:
             one-hot, is a few spikes per row, and every layer below inherits its error.
         include: module-path globs to consider (``fnmatch`` against paths like ``blocks.0.mlp.fc1``).
         exclude: module-path globs to leave alone; wins over ``include``.
-        forward_bits: ``None`` (the default) leaves the forward product of every linear to Inductor, as
-            the paper does; 2..8 runs it on integer operands of that width
-            (:func:`hot_compile.ops.int8_linear`: Hadamard-transformed along the contraction, rounded to
-            nearest, one scale per token and per output feature). A site's forward is then a row of
-            its own (path ``"fwd"``), under the same policy, cost model and loss-head rule.
+        forward_bits: not the paper's, which leaves the forward exact: the forward product of each
+            linear on integer operands of this width (:func:`hot_compile.ops.int8_linear`:
+            Hadamard-transformed along the contraction, rounded to nearest, one scale per token and
+            one per output feature), a row of its own (path ``"fwd"``) under the same policy, cost
+            model and loss-head rule. ``"auto"`` (the default) resolves per device as ``gx_bits``
+            does; ``None`` leaves the forward to Inductor.
         rewrite_gx: rewrite grad_input products (HQ); off leaves them to Inductor.
         rewrite_gw: rewrite grad_weight products (HLA with ABC); off leaves them and ``x`` as they were.
         hadamard: transform before quantizing in HQ; off quantizes ``g`` and ``W`` as they are (plain
@@ -115,7 +118,7 @@ class HotConfig:
     weight_quantizer: str = "per_channel"
     gw_quantizer: str = "per_channel"
     exact_loss_head: bool = True
-    forward_bits: int | None = None
+    forward_bits: int | str | None = AUTO
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     rewrite_gx: bool = True
@@ -137,8 +140,10 @@ class HotConfig:
                 continue
             if type(value) is not int or not MIN_BITS <= value <= MAX_BITS:
                 _fail(key, value, f"an int in {MIN_BITS}..{MAX_BITS}" + (" or 'auto'" if key == "gx_bits" else ""))
-        if self.forward_bits is not None and (type(self.forward_bits) is not int or not MIN_BITS <= self.forward_bits <= MAX_BITS):
-            _fail("forward_bits", self.forward_bits, f"None or an int in {MIN_BITS}..{MAX_BITS}")
+        if self.forward_bits not in (None, AUTO) and (
+            type(self.forward_bits) is not int or not MIN_BITS <= self.forward_bits <= MAX_BITS
+        ):
+            _fail("forward_bits", self.forward_bits, f"None, 'auto' or an int in {MIN_BITS}..{MAX_BITS}")
         if type(self.rank) is not int or not 1 <= self.rank <= 16:
             _fail("rank", self.rank, "an int in 1..16")
         if self.gx_quantizer not in GX_QUANTIZERS:

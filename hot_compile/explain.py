@@ -1,5 +1,5 @@
 """``hot-compile explain TARGET``: compile with the HOT backend, run one training step, and print what
-the pass decided for every linear backward site.
+the pass decided for every linear product site.
 
 TARGET is one of:
 

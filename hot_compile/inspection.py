@@ -62,7 +62,7 @@ T = TypeVar("T")
 # alone finds a handler; TORCH_LOGS="+hot_compile" also works without it (an importable module).
 register_log("hot_compile", "hot_compile")
 register_artifact(
-    "hot_decisions", "The HOT pass's decision for every linear backward site, per graph", off_by_default=True
+    "hot_decisions", "The HOT pass's decision for every linear product site, per graph", off_by_default=True
 )
 register_artifact(
     "hot_graphs",
@@ -179,7 +179,7 @@ def summary(report: Report) -> str:
     rewritten = sum(n for d, n in decisions.items() if d != "kept")
     detail = ", ".join(f"{n} {d}" for d, n in sorted(decisions.items()) if d != "kept")
     return (
-        f"{len(report.rows)} linear backward site(s): {rewritten} rewritten"
+        f"{len(report.rows)} linear product site(s): {rewritten} rewritten"
         + (f" ({detail})" if detail else "")
         + f", {decisions.get('kept', 0)} kept"
     )

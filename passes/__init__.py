@@ -101,8 +101,10 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
         for site in find_linear_sites(graph):
             profile = _profile(site, config, profiles)
             site_config = resolve_numerics(config.for_module(site.module_path), profile)
-            # The forward is planned only where forward_bits asks for it: by default a site has no fwd row.
-            forward = site.linear if site_config.forward_bits is not None else None
+            # A forward is planned where forward_bits asks for it, and only in a training graph: an
+            # inference graph (no backward product of the linear) compiles as under Inductor.
+            trains = site.grad_input is not None or site.grad_weight is not None
+            forward = site.linear if site_config.forward_bits is not None and trains else None
             for path, use in (("fwd", forward), ("gx", site.grad_input), ("gw", site.grad_weight)):
                 if use is None:
                     continue

@@ -9,12 +9,11 @@ from ..devices import DeviceProfile
 
 
 def resolve_numerics(config: HotConfig, profile: DeviceProfile) -> HotConfig:
-    """``config`` with ``gx_bits="auto"`` replaced by the widest bit width that costs no more than the
-    narrowest on ``profile``'s device: INT4 operands run through the same int8 kernels wherever INT4
-    has no GEMM of its own, so the narrower width would only add rounding error."""
-    if config.gx_bits != AUTO:
-        return config
-    return dataclasses.replace(config, gx_bits=profile.widest_bits_at_narrowest_rate())
+    """``config`` with ``gx_bits`` and ``forward_bits`` ``"auto"`` replaced by the widest bit width that
+    costs no more than the narrowest on ``profile``'s device: INT4 operands run through the same int8
+    kernels wherever INT4 has no GEMM of its own, so the narrower width would only add rounding error."""
+    resolved = {key: profile.widest_bits_at_narrowest_rate() for key in ("gx_bits", "forward_bits") if getattr(config, key) == AUTO}
+    return dataclasses.replace(config, **resolved) if resolved else config
 
 
 def _with_source(value: object, source: str) -> str:
@@ -25,7 +24,8 @@ def describe(path: str, site: HotConfig, config: HotConfig, module_path: str) ->
     """What a rewritten ``path`` site computes under its resolved config ``site``, each choice with its
     source where it is not ``config``'s own value (the device, the plan, an override)."""
     if path == "fwd":
-        bits = _with_source(f"INT{site.forward_bits}", config.source(module_path, "forward_bits"))
+        bits_source = "auto: device" if config.forward_bits == AUTO else config.source(module_path, "forward_bits")
+        bits = _with_source(f"INT{site.forward_bits}", bits_source)
         return f"{bits} x per_token, W per_channel, nearest"
     if path == "gx":
         bits_source = "auto: device" if config.gx_bits == AUTO else config.source(module_path, "gx_bits")

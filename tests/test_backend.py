@@ -194,7 +194,7 @@ def test_joint_pass_inside_an_inductor_pipeline():
     with fresh_cache(), torch._inductor.config.patch(joint_custom_post_pass=hot_compile.joint_pass(HotConfig(strict=True, policy="hot"))):
         compiled = torch.compile(model, backend="inductor")
         compiled(torch.randn(4, 40, 32)).sum().backward()
-    assert len(hot_compile.last_report().select(decision="HQ")) == 1  # input has no grad: fc2 only
+    assert len(hot_compile.last_report().select(path="gx", decision="HQ")) == 1  # input has no grad: fc2 only
 
 
 def test_inductor_options_pass_through_and_bad_keys_fail():

@@ -70,16 +70,17 @@ def _forward_rows(config):
     return graphs, hot_compile.last_report()
 
 
-def test_forward_is_exact_unless_forward_bits_is_set():
-    graphs, report = _forward_rows(HotConfig(policy="hot", strict=True))
+def test_forward_bits_none_leaves_the_forward_exact():
+    graphs, report = _forward_rows(HotConfig(policy="hot", strict=True, forward_bits=None))
     assert report.select(path="fwd") == []
     assert not any(n.target is torch.ops.hot_compile.int8_linear.default for n in graphs.forward.graph.nodes)
 
 
-def test_forward_bits_rewrites_every_forward_product():
-    graphs, report = _forward_rows(HotConfig(policy="hot", strict=True, forward_bits=8))
+@pytest.mark.parametrize("forward_bits", ["auto", 8])
+def test_forward_bits_rewrites_every_forward_product(forward_bits):
+    graphs, report = _forward_rows(HotConfig(policy="hot", strict=True, forward_bits=forward_bits))
     rows = report.select(path="fwd")
-    assert [r.decision for r in rows] == ["HQ", "HQ"] and all("INT8 x per_token" in r.numerics for r in rows)
+    assert [r.decision for r in rows] == ["HQ", "HQ"] and all("x per_token, W per_channel" in r.numerics for r in rows)
     ops_in_forward = [n for n in graphs.forward.graph.nodes if n.target is torch.ops.hot_compile.int8_linear.default]
     assert len(ops_in_forward) == 2
     assert all(n.meta["hot_compile"]["path"] == "fwd" for n in ops_in_forward)

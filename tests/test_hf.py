@@ -92,7 +92,7 @@ def test_peft_lora_rewrites_only_grad_input_of_frozen_weights():
     rows = hot_compile.last_report().rows
     base = [r for r in rows if r.module.endswith("query.base_layer")]
     adapters = [r for r in rows if ".lora_" in r.module]
-    assert base and {r.path for r in base} == {"gx"}  # frozen weight: no grad_weight product at all
+    assert base and {r.path for r in base} == {"fwd", "gx"}  # frozen weight: no grad_weight product at all
     assert adapters and {r.path for r in adapters if r.decision != "kept"} >= {"gw"}
     for n, p in lora.named_parameters():
         if "lora_" in n and "layer.0." in n and "lora_B" in n:

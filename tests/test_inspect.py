@@ -89,6 +89,7 @@ def test_dump_holds_graphs_report_and_picture(tmp_path, model, shape):
     assert saved["graph"] == report.graph == "0/0" and saved["error"] is None
     assert saved["rows"] == [row.as_dict() for row in report.rows]
     assert {(r["rewrite"], r["path"]) for r in saved["rewrites"]} == {
+        ("int8_linear", "fwd"),
         ("hq_grad_input", "gx"),
         ("hla_grad_weight", "gw"),
         ("compress_activation", "gw"),
@@ -100,7 +101,7 @@ def test_dump_holds_graphs_report_and_picture(tmp_path, model, shape):
     svg = ET.fromstring(_read(folder, "backward.svg"))
     titles = [el.text for el in svg.iter("{http://www.w3.org/2000/svg}title")]
     # one box per rewrite, its tooltip carrying the provenance
-    assert sum("'rewrite': 'hq_grad_input'" in t for t in titles) == len(report.select(decision="HQ"))
+    assert sum("'rewrite': 'hq_grad_input'" in t for t in titles) == len(report.select(path="gx", decision="HQ"))
 
 
 def test_identical_files_are_not_rewritten(tmp_path):
@@ -144,7 +145,7 @@ def test_a_failing_dump_warns_and_training_goes_on(tmp_path):
     messages = [str(w.message) for w in caught if issubclass(w.category, inspection.HotInspectionWarning)]
     assert any("could not write the HOT dump" in m for m in messages)
     assert model.fc1.weight.grad is not None
-    assert len(hot_compile.last_report().select(decision="HQ")) == 1  # the pass itself went through
+    assert len(hot_compile.last_report().select(path="gx", decision="HQ")) == 1  # the pass itself went through
 
     torch._dynamo.reset()
     with pytest.raises(Exception, match="could not|File exists|Not a directory"):
@@ -186,8 +187,8 @@ def test_torch_logs_and_torch_trace(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     log = out.stderr
     # the module log: a summary line per graph (INFO) and a decision per site (DEBUG)
-    assert "[0/0] HOT pass: 4 linear backward site(s): 4 rewritten (2 HLA+ABC, 2 HQ), 0 kept" in log
-    for site in ("fc1 gx", "fc1 gw", "fc2 gx", "fc2 gw"):
+    assert "[0/0] HOT pass: 6 linear product site(s): 6 rewritten (2 HLA+ABC, 4 HQ), 0 kept" in log
+    for site in ("fc1 fwd", "fc1 gx", "fc1 gw", "fc2 fwd", "fc2 gx", "fc2 gw"):
         assert f"[0/0] HOT site {site} " in log
     assert "HOT report for graph 0/0" in log  # the hot_decisions artifact: the table
     assert "HOT joint graph" not in log and "HOT forward graph" not in log  # hot_graphs: off unless asked
@@ -214,7 +215,7 @@ def test_explain_a_callable_through_inductor(tmp_path, capsys):
     print(out)
     assert status == 0
     assert "HOT report for graph 0/0" in out
-    assert "4 linear backward site(s): 4 rewritten (2 HLA+ABC, 2 HQ), 0 kept" in out
+    assert "6 linear product site(s): 6 rewritten (2 HLA+ABC, 4 HQ), 0 kept" in out
     assert f"dump: {dump / '0_0'}" in out
     assert sorted(os.listdir(dump / "0_0")) == sorted(inspection.DUMP_FILES)
     assert "torch.ops.hot_compile.hq_grad_input.default" in _read(dump / "0_0", "backward.py")

@@ -41,14 +41,17 @@ def test_every_linear_gets_gx_and_gw(shape, bias):
     x = torch.randn(*shape, requires_grad=True)
     graphs = _run(MLP(bias=bias), x)
     assert {(r.module, r.path, r.decision) for r in hot_compile.last_report()} == {
+        ("fc1", "fwd", "HQ"),
         ("fc1", "gx", "HQ"),
         ("fc1", "gw", "HLA+ABC"),
+        ("fc2", "fwd", "HQ"),
         ("fc2", "gx", "HQ"),
         ("fc2", "gw", "HLA+ABC"),
     }
     assert len(graphs.nodes("backward", hot_ops.hq_grad_input.default)) == 2
     assert len(graphs.nodes("backward", hot_ops.hla_grad_weight.default)) == 2
     assert len(graphs.nodes("forward", hot_ops.compress_activation.default)) == 2
+    assert len(graphs.nodes("forward", hot_ops.int8_linear.default)) == 2
     assert not graphs.nodes("backward", aten.mm.default)
 
 
@@ -68,7 +71,8 @@ def test_functional_linear_and_module_paths():
     _run(Net(), torch.randn(3, 40, 32))
     print(hot_compile.last_report().table())
     assert {r.module for r in hot_compile.last_report()} == {"", "layers.0", "layers.1"}
-    assert len(hot_compile.last_report()) == 5  # first layer: input has no grad → no gx
+    # Three forwards and their backward products, but the first layer's input has no grad: no gx.
+    assert len(hot_compile.last_report()) == 8
 
 
 def test_input_without_grad_and_frozen_weight():
@@ -76,7 +80,7 @@ def test_input_without_grad_and_frozen_weight():
     model.fc2.weight.requires_grad_(False)
     _run(model, torch.randn(4, 50, 32))
     rows = {(r.module, r.path) for r in hot_compile.last_report()}
-    assert rows == {("fc1", "gw"), ("fc2", "gx")}
+    assert rows == {("fc1", "fwd"), ("fc1", "gw"), ("fc2", "fwd"), ("fc2", "gx")}
     assert model.fc1.weight.grad is not None and model.fc2.weight.grad is None
 
 
@@ -142,16 +146,16 @@ def test_every_created_node_has_provenance_and_metadata():
     for node in created:
         assert "val" in node.meta
         info = node.meta[provenance.META_KEY]
-        assert info["rewrite"] in ("hq_grad_input", "hla_grad_weight", "compress_activation")
-        assert info["module"] in ("fc1", "fc2") and info["path"] in ("gx", "gw")
+        assert info["rewrite"] in ("int8_linear", "hq_grad_input", "hla_grad_weight", "compress_activation")
+        assert info["module"] in ("fc1", "fc2") and info["path"] in ("fwd", "gx", "gw")
 
 
 @pytest.mark.parametrize(
     "config,kept",
     [
-        (STRICT.replace(policy="off"), 4),
-        (STRICT.replace(exclude=("fc2",)), 2),
-        (STRICT.replace(include=("fc2",)), 2),
+        (STRICT.replace(policy="off"), 6),
+        (STRICT.replace(exclude=("fc2",)), 3),
+        (STRICT.replace(include=("fc2",)), 3),
         (STRICT.replace(rewrite_gx=False), 2),
         (STRICT.replace(rewrite_gw=False), 2),
     ],
@@ -159,7 +163,9 @@ def test_every_created_node_has_provenance_and_metadata():
 def test_policy_off_and_globs_keep_sites(config, kept):
     graphs = _run(MLP(), torch.randn(4, 50, 32, requires_grad=True), config)
     assert len(_rows(decision="kept")) == kept
-    assert len(graphs.nodes("backward", aten.mm.default)) == kept
+    kept_forwards = len(_rows(path="fwd", decision="kept"))
+    assert len(graphs.nodes("backward", aten.mm.default)) == kept - kept_forwards
+    assert len(graphs.nodes("forward", hot_ops.int8_linear.default)) == 2 - kept_forwards
 
 
 def test_grad_weight_of_a_single_token_is_kept_at_rank_8():

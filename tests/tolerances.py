@@ -63,6 +63,6 @@ E2E_GRAD_RANK8_SMOOTH = E2E_GRAD + HLA_RANK8_SMOOTH
 # most 1% to the variance of the gradient (hot_compile.tasks.gradient_noise).
 GRADIENT_ERROR_PER_SAMPLING_NOISE = 0.1
 
-# Training tasks: both backends start from one model and one batch, and HOT changes only the
-# backward, so their first losses agree up to Inductor fusing the forward differently.
+# Training tasks: both backends start from one model and one batch, and HOT with forward_bits=None
+# changes only the backward, so their first losses agree up to Inductor fusing the forward differently.
 TASK_FIRST_LOSS_RTOL = 1e-5

@@ -181,8 +181,9 @@ class _Run:
 
 
 def _evaluate(task: Task, model: nn.Module) -> dict[str, float]:
-    # Evaluation runs the eager module: HOT changes only the backward, so the forward is the same
-    # function under every variant, and no variant pays for an extra inference-graph compile.
+    # Evaluation runs the eager module: HOT rewrites training graphs only (an inference graph compiles
+    # as under Inductor), so evaluation is the same function under every variant, and no variant pays
+    # for an extra inference-graph compile.
     was_training = model.training
     model.eval()
     try:
