@@ -107,3 +107,12 @@ def test_forward_bits_is_validated():
         HotConfig(forward_bits=9)
     with pytest.raises(ValueError, match="forward_bits"):
         HotConfig(forward_bits="8")
+
+
+@pytest.mark.parametrize("bits", [7, 8])
+def test_int8_linear_on_each_integer_gemm(int8_path, bits):
+    """The CPU kernel on every GEMM a CPU may have: the uint8 × int8 one (AVX2, where "auto" gives
+    7 bits), torch._int_mm (VNNI, AMX) and the exact float product."""
+    x, w, b = make("gaussian", L, K, 0), make("gaussian", N, K, 1), torch.randn(N)
+    out = kernels.int8_linear(x, w, b, bits)
+    assert rel_err(out, reference.int8_linear(x, w, b, bits=bits)) < tol.FP32_VS_REFERENCE
