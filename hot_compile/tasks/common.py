@@ -101,7 +101,7 @@ class RunResult:
 
     @property
     def rewritten_fraction(self) -> float | None:
-        """The share of the model's linear backward products the HOT pass rewrote (its report rows)."""
+        """The share of the model's linear products (forward and backward) the HOT pass rewrote (its report rows)."""
         if not self.report:
             return None
         return len(self.report.rewritten()) / len(self.report)
