@@ -305,18 +305,37 @@ inline void accumulate(const float* y, int64_t cols, float* amax, float* abs_sum
   }
 }
 
+// Which row of the Hadamard matrix (Sylvester order) each of the `rank` rows of `basis` is, into
+// `rows`; false if some row is none.
+inline bool sylvester_rows(const float* basis, int64_t rank, int64_t* rows) {
+  for (int64_t i = 0; i < rank; ++i) {
+    rows[i] = -1;
+    for (int64_t p = 0; p < BLOCK && rows[i] < 0; ++p) {
+      bool same = true;
+      for (int64_t j = 0; j < BLOCK && same; ++j) {
+        same = basis[i * BLOCK + j] == ((__builtin_popcountll(p & j) & 1) ? -1.0f : 1.0f);
+      }
+      if (same) rows[i] = p;
+    }
+    if (rows[i] < 0) return false;
+  }
+  return true;
+}
+
 // Column transforms (along dim 0): whole blocks by `basis`, the rows after them zero-padded to 16 by
-// `tail` (when given), `out_rows` rows in all. Where every row of `basis` is a row of the Hadamard matrix,
-// `sylvester_rows` names them and whole blocks take the butterflies. stats: per-column max|y| and, when
+// `tail` (when given), `out_rows` rows in all. Where every row of `basis` is a row of the Hadamard matrix
+// (HQ's weight, the Walsh rows of HLA and ABC), whole blocks take the butterflies. stats: per-column max|y| and, when
 // `abs_sum` is given, Σ|y| and Σy² of the result;
 // quantize: q = level(y / scale[c]) into [out_rows, k].
 template <typename T>
 void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, const float* basis,
-               const int64_t* sylvester_rows, const float* tail, int64_t rank, int64_t out_rows, float* amax, float* abs_sum, float* sq_sum,
+               const float* tail, int64_t rank, int64_t out_rows, float* amax, float* abs_sum, float* sq_sum,
                const float* scale, int64_t scale_stride, float qmax, bool stochastic, uint32_t offset, int8_t* q) {
   const int64_t whole = n / BLOCK;
   const int64_t blocks = tail != nullptr && n % BLOCK ? whole + 1 : whole;
   const int64_t tiles = (k + TILE - 1) / TILE;
+  int64_t hadamard_rows[BLOCK];
+  const bool butterflies = sylvester_rows(basis, rank, hadamard_rows);
   const bool stats = amax != nullptr, sums = abs_sum != nullptr;
   if (stats) std::fill(amax, amax + k, 0.0f);
   if (sums) {
@@ -338,9 +357,9 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
         if (count <= 0) continue;
         load_tile(x, n, k, row_stride, col_stride, b, c0, cols, xb);
         const float* result[BLOCK];
-        if (b < whole && sylvester_rows != nullptr) {
+        if (b < whole && butterflies) {
           hadamard_tile(xb);
-          for (int64_t i = 0; i < count; ++i) result[i] = xb[sylvester_rows[i]];
+          for (int64_t i = 0; i < count; ++i) result[i] = xb[hadamard_rows[i]];
         } else {
           transform_tile(b < whole ? basis : tail, count, xb, yb);
           for (int64_t i = 0; i < count; ++i) result[i] = yb[i];
@@ -421,19 +440,19 @@ void hot_rows_quantize(const void* x, int64_t dtype, int64_t rows, int64_t n, in
 }
 
 void hot_cols_stats(const void* x, int64_t dtype, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride,
-                    const float* basis, const int64_t* sylvester_rows, const float* tail, int64_t rank, int64_t out_rows, float* amax,
+                    const float* basis, const float* tail, int64_t rank, int64_t out_rows, float* amax,
                     float* abs_sum, float* sq_sum) {
   by_dtype(dtype, x, [&](auto* t) {
-    cols_pass(t, n, k, row_stride, col_stride, basis, sylvester_rows, tail, rank, out_rows, amax, abs_sum, sq_sum, nullptr, 0,
+    cols_pass(t, n, k, row_stride, col_stride, basis, tail, rank, out_rows, amax, abs_sum, sq_sum, nullptr, 0,
               0.0f, false, 0u, nullptr);
   });
 }
 
 void hot_cols_quantize(const void* x, int64_t dtype, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride,
-                       const float* basis, const int64_t* sylvester_rows, const float* tail, int64_t rank, int64_t out_rows, const float* scale,
+                       const float* basis, const float* tail, int64_t rank, int64_t out_rows, const float* scale,
                        int64_t scale_stride, int64_t qmax, int64_t stochastic, uint32_t offset, int8_t* q) {
   by_dtype(dtype, x, [&](auto* t) {
-    cols_pass(t, n, k, row_stride, col_stride, basis, sylvester_rows, tail, rank, out_rows, nullptr, nullptr, nullptr, scale,
+    cols_pass(t, n, k, row_stride, col_stride, basis, tail, rank, out_rows, nullptr, nullptr, nullptr, scale,
               scale_stride, float(qmax), stochastic != 0, offset, q);
   });
 }

@@ -28,8 +28,7 @@ import time
 
 import torch
 
-from .hadamard import hadamard_matrix
-from .quant import _SALT_MULT, _SEED_MULT, guard_scale, qmax
+from .quant import guard_scale, qmax
 
 _SOURCE = pathlib.Path(__file__).with_suffix(".cpp")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -40,8 +39,8 @@ MIN_CHUNK_ROWS = 256
 _P, _I, _F, _U = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint32
 _SIGNATURES = {
     "hot_rows_quantize": (_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _U, _P, _I, _P, _P, _P),
-    "hot_cols_stats": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P),
-    "hot_cols_quantize": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _I, _I, _I, _U, _P),
+    "hot_cols_stats": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P),
+    "hot_cols_quantize": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I, _U, _P),
     "hot_dequantize": (_P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
 }
 
@@ -89,12 +88,6 @@ def _dtype_code(t: torch.Tensor) -> int:
         raise TypeError(f"HOT's CPU kernels take float32, bfloat16 or float16 tensors, got {t.dtype}") from None
 
 
-def noise_offset(seed: torch.Tensor | int, salt: int) -> int:
-    """The 32-bit word ``seed·SEED_MULT + salt·SALT_MULT`` that :func:`hot_compile.quant.hash_uniform`
-    adds to each element's hashed index."""
-    return (int(seed) * _SEED_MULT + salt * _SALT_MULT) % 2**32
-
-
 def _scale_arg(scale: torch.Tensor | None) -> tuple[int | None, int]:
     """A float32 scale's pointer and the stride to step it by (0 for one scale)."""
     if scale is None:
@@ -130,13 +123,6 @@ def quantize_rows(
     return q, scale
 
 
-def _sylvester_rows(basis: torch.Tensor) -> torch.Tensor | None:
-    """The rows of the Hadamard matrix that make up ``basis`` (int64 ``[r]``), or ``None`` if some row of
-    it is not one: the kernels then take the butterflies instead of the dense product."""
-    matches = (basis[:, None, :] == hadamard_matrix()[None, :, :]).all(-1)
-    return matches.int().argmax(1).to(torch.int64) if bool(matches.any(1).all()) else None
-
-
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -158,9 +144,8 @@ def _column_statistics(x, basis, tail, out_rows, *, moments):
     n, k = x.shape
     amax = torch.empty(k)
     abs_sum, sq_sum = (torch.empty(k), torch.empty(k)) if moments else (None, None)
-    sylvester_rows = _sylvester_rows(basis)
     lib.hot_cols_stats(
-        x.data_ptr(), code, n, k, x.stride(0), x.stride(1), basis.data_ptr(), _ptr(sylvester_rows), _ptr(tail),
+        x.data_ptr(), code, n, k, x.stride(0), x.stride(1), basis.data_ptr(), _ptr(tail),
         basis.shape[0], out_rows, amax.data_ptr(), _ptr(abs_sum), _ptr(sq_sum),
     )  # fmt: skip
     return amax, abs_sum, sq_sum
@@ -179,7 +164,8 @@ def quantize_columns(
 ) -> torch.Tensor:
     """``x: [n, k]`` (any strides) transformed along its rows and quantized: int8 ``[out_rows, k]``.
 
-    Whole blocks of 16 rows give ``basis @ block`` (``basis``: float32 ``[r, 16]``); the ``n mod 16``
+    Whole blocks of 16 rows give ``basis @ block`` (``basis``: float32 ``[r, 16]``; by butterflies when
+    its rows are rows of the Hadamard matrix); the ``n mod 16``
     rows after them, zero-padded to 16, give ``tail @ rest`` (``tail`` ``None``: dropped); the first
     ``out_rows`` rows of the result are kept. ``scale`` (float32, ``[k]`` or one value) divides each
     column before rounding, stochastically (noise index: the flat index in ``[out_rows, k]``) or to
@@ -188,9 +174,8 @@ def quantize_columns(
     n, k = x.shape
     q = torch.empty(out_rows, k, dtype=torch.int8)
     scale_ptr, scale_stride = _scale_arg(scale)
-    sylvester_rows = _sylvester_rows(basis)
     lib.hot_cols_quantize(
-        x.data_ptr(), code, n, k, x.stride(0), x.stride(1), basis.data_ptr(), _ptr(sylvester_rows), _ptr(tail),
+        x.data_ptr(), code, n, k, x.stride(0), x.stride(1), basis.data_ptr(), _ptr(tail),
         basis.shape[0], out_rows, scale_ptr, scale_stride,
         qmax(bits), int(stochastic), offset, q.data_ptr(),
     )  # fmt: skip

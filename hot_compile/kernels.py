@@ -29,7 +29,7 @@ from torch._dynamo.utils import counters
 
 from . import cpu_native, ops
 from .hadamard import BLOCK, hadamard_matrix, lowpass_rows, padded_length, tail_basis, walsh_basis
-from .quant import guard_scale, qmax, sawb_clip_of_moments
+from .quant import guard_scale, noise_offset, qmax, sawb_clip_of_moments
 
 # Joint-graph passes installed in Inductor's global config (HOT's own among them) are for models'
 # graphs, not for these kernels.
@@ -216,21 +216,27 @@ def _integer_product(a_bits: int, b_bits: int) -> Callable[[Tensor, Tensor], Ten
     return functools.partial(ops.int8_matmul, a_max=qmax(a_bits), b_max=qmax(b_bits))
 
 
+def _quantize_by_columns(
+    x2: Tensor, basis: Tensor, tail: Tensor | None, rows: int, bits: int, *, per_column: bool, stochastic: bool, offset: int = 0
+) -> tuple[Tensor, Tensor]:
+    """``x2`` transformed along its rows (:func:`cpu_native.quantize_columns`) and quantized at its max
+    scale, one per column or one in all."""
+    amax = cpu_native.column_amax(x2, basis, tail, rows)
+    scale = guard_scale((amax if per_column else amax.amax()) / qmax(bits))
+    return cpu_native.quantize_columns(x2, basis, tail, rows, bits, scale, stochastic=stochastic, offset=offset), scale
+
+
 def _quantize_weight(weight: Tensor, width: int, bits: int, quantizer: str, hadamard: bool, seed: Tensor):
     """HQ's ``q(BW)`` (``[width, K]``) and its scale: :func:`hot_compile.ops.hq_grad_input`'s weight side."""
     basis = _basis("hadamard" if hadamard else "identity")
-    qm = qmax(bits)
-    if quantizer == "sawb":
-        amax, abs_sum, square_sum = cpu_native.column_moments(weight, basis, basis, width)
-        count = width * weight.shape[1]
-        scale = guard_scale(sawb_clip_of_moments(square_sum.sum() / count, abs_sum.sum() / count, amax.amax()) / qm)
-    else:
-        amax = cpu_native.column_amax(weight, basis, basis, width)
-        scale = guard_scale((amax if quantizer == "per_channel" else amax.amax()) / qm)
-    offset = cpu_native.noise_offset(seed, ops.SALT_WEIGHT)
-    stochastic = quantizer != "sawb"
-    q = cpu_native.quantize_columns(weight, basis, basis, width, bits, scale, stochastic=stochastic, offset=offset)
-    return q, scale
+    offset = noise_offset(seed, ops.SALT_WEIGHT)
+    if quantizer != "sawb":
+        per_column = quantizer == "per_channel"
+        return _quantize_by_columns(weight, basis, basis, width, bits, per_column=per_column, stochastic=True, offset=offset)
+    amax, abs_sum, square_sum = cpu_native.column_moments(weight, basis, basis, width)
+    count = width * weight.shape[1]
+    scale = guard_scale(sawb_clip_of_moments(square_sum.sum() / count, abs_sum.sum() / count, amax.amax()) / qmax(bits))
+    return cpu_native.quantize_columns(weight, basis, basis, width, bits, scale, stochastic=False), scale
 
 
 @hq_grad_input.register_kernel("cpu")
@@ -238,7 +244,7 @@ def _(grad_output, weight, seed, grad_bits, weight_bits, per_token, hadamard, we
     n, k = weight.shape
     g2 = grad_output.reshape(-1, n)
     width = padded_length(n) if hadamard else n
-    offset = cpu_native.noise_offset(seed, ops.SALT_GRAD_INPUT)
+    offset = noise_offset(seed, ops.SALT_GRAD_INPUT)
     qg, sg = cpu_native.quantize_rows(g2, grad_bits, width=width, hadamard=hadamard, per_row=per_token, offset=offset)
     qw, sw = _quantize_weight(weight, width, weight_bits, weight_quantizer, hadamard, seed)
     product = _integer_product(grad_bits, weight_bits)
@@ -255,21 +261,16 @@ def _lowpass_columns(x: Tensor, rank: int) -> tuple[Tensor, Tensor, int]:
 @compress_activation.register_kernel("cpu")
 def _(x, rank, bits, per_channel):
     x2, tail, rows = _lowpass_columns(x, rank)
-    basis = _basis("walsh", rank)
-    amax = cpu_native.column_amax(x2, basis, tail, rows)
-    scale = guard_scale((amax if per_channel else amax.amax()) / qmax(bits))
-    q = cpu_native.quantize_columns(x2, basis, tail, rows, bits, scale, stochastic=False)
+    q, scale = _quantize_by_columns(x2, _basis("walsh", rank), tail, rows, bits, per_column=per_channel, stochastic=False)
     return q, scale.view(1, -1) if per_channel else scale
 
 
 @hla_grad_weight.register_kernel("cpu")
 def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
     g2, tail, rows = _lowpass_columns(grad_output, rank)
+    offset = noise_offset(seed, ops.SALT_GRAD_WEIGHT)
     basis = _basis("walsh", rank)
-    amax = cpu_native.column_amax(g2, basis, tail, rows)
-    scale = guard_scale((amax if per_channel else amax.amax()) / qmax(bits))
-    offset = cpu_native.noise_offset(seed, ops.SALT_GRAD_WEIGHT)
-    qg = cpu_native.quantize_columns(g2, basis, tail, rows, bits, scale, stochastic=True, offset=offset)
+    qg, scale = _quantize_by_columns(g2, basis, tail, rows, bits, per_column=per_channel, stochastic=True, offset=offset)
     # grad_W = q(P g)ᵀ q(P x): the rows of the product are g's channels, scaled by g's scales.
     product = _integer_product(bits, bits)
     return cpu_native.matmul_dequantized(qg.t(), x_q, scale, x_scale.contiguous(), BLOCK, out_dtype, product)

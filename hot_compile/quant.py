@@ -87,6 +87,12 @@ def hash_uniform(like: torch.Tensor, seed: torch.Tensor, salt: int = 0) -> torch
     return _shr32(h, 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
+def noise_offset(seed: torch.Tensor | int, salt: int) -> int:
+    """The word :func:`hash_uniform` adds to each element's hashed index, ``seed·SEED_MULT +
+    salt·SALT_MULT`` mod 2³², as a Python int: what a native kernel of the same noise takes."""
+    return (int(seed) * _SEED_MULT + salt * _SALT_MULT) % 2**32
+
+
 def _amax(mag: torch.Tensor, dim: int | None) -> torch.Tensor:
     """``max|v|`` over the whole tensor (0-d), or over ``dim`` kept as a size-1 dimension."""
     return mag.amax() if dim is None else mag.amax(dim=dim, keepdim=True)

@@ -14,13 +14,15 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 
 
-def _cuda_int_mm_problem(site: LinearSite, path: str, config: HotConfig) -> str | None:
+def _cuda_int_mm_problem(site: LinearSite, path: str) -> str | None:
     """cuBLASLt's int8 GEMM needs M > 16 and K, N multiples of 8 (``torch._int_mm`` on CUDA); HLA's
     contraction is padded to a multiple of 8 by ``ops.int8_matmul``."""
     l, n, k = site.shapes
     if not statically_known_true(k % 8 == 0):
         return "CUDA _int_mm needs in_features a multiple of 8"
-    if path == "gx" and not statically_known_true(l > 16):
+    if path == "fwd" and not statically_known_true(n % 8 == 0):
+        return "CUDA _int_mm needs out_features a multiple of 8"
+    if path in ("fwd", "gx") and not statically_known_true(l > 16):
         return "CUDA _int_mm needs more than 16 tokens"
     if path == "gw" and not statically_known_true(n > 16):
         return "CUDA _int_mm needs more than 16 out_features"
@@ -53,11 +55,7 @@ def why_illegal_forward(site: LinearSite, bias: fx.Node | None) -> str | None:
     if any(statically_known_true(d == 0) for d in site.shapes):
         return "zero-size matmul"
     if out.device.type == "cuda":
-        l, n, k = site.shapes
-        if not (statically_known_true(k % 8 == 0) and statically_known_true(n % 8 == 0)):
-            return "CUDA _int_mm needs in_features and out_features multiples of 8"
-        if not statically_known_true(l > 16):
-            return "CUDA _int_mm needs more than 16 tokens"
+        return _cuda_int_mm_problem(site, "fwd")
     return None
 
 
@@ -77,5 +75,5 @@ def why_illegal(site: LinearSite, use: MatmulUse, path: str, config: HotConfig) 
     if path == "gw" and statically_known_true(lowpass_rows(site.shapes[0], config.rank) == 0):
         return f"rank {config.rank} keeps no row of L = {site.shapes[0]} tokens"
     if out.device.type == "cuda":
-        return _cuda_int_mm_problem(site, path, config)
+        return _cuda_int_mm_problem(site, path)
     return None

@@ -2,7 +2,7 @@
 
 Not the paper's (HOT leaves the forward exact): both operands Hadamard-transformed along the
 contraction and rounded to nearest, one scale per token and one per output feature, as SwitchBack,
-Jetfire and HALO quantize the forward. Off unless ``HotConfig.forward_bits`` is set.
+Jetfire and HALO quantize the forward. ``HotConfig.forward_bits=None`` leaves the forward alone.
 """
 
 from __future__ import annotations

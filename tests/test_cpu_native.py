@@ -25,7 +25,7 @@ def _levels_agree(q: torch.Tensor, expected: torch.Tensor) -> bool:
 def test_quantize_rows_is_the_stochastic_quantizer_of_the_block_hadamard(dtype, per_row, bits):
     g = make("lognormal", 97, 72, 0).to(dtype).t().contiguous().t()  # column-major, 72 = 4.5 blocks
     width = hadamard.padded_length(72)
-    offset = cpu_native.noise_offset(SEED, ops.SALT_GRAD_INPUT)
+    offset = quant.noise_offset(SEED, ops.SALT_GRAD_INPUT)
     q, scale = cpu_native.quantize_rows(g, bits, width=width, hadamard=True, per_row=per_row, offset=offset)
     dim = -1 if per_row else None
     expected_q, expected_scale = quant.quantize_stochastic(
@@ -54,7 +54,7 @@ def test_quantize_columns_is_the_quantizer_of_the_lowpass(rank, tokens):
             if stochastic
             else quant.quantize_nearest(projected, 8, dim=0)
         )
-        offset = cpu_native.noise_offset(SEED, 3)
+        offset = quant.noise_offset(SEED, 3)
         q = cpu_native.quantize_columns(
             x, hadamard.walsh_basis(rank), tail, rows, 8, scale.flatten(), stochastic=stochastic, offset=offset
         )
@@ -66,7 +66,7 @@ def test_noise_offset_is_the_hash_of_the_seed_and_salt():
     rounds each element up exactly where its noise is at least one half."""
     v = torch.full((64, 16), 0.5)
     q = cpu_native.quantize_columns(
-        v, torch.eye(16), None, 64, 8, torch.ones(16), stochastic=True, offset=cpu_native.noise_offset(SEED, 7)
+        v, torch.eye(16), None, 64, 8, torch.ones(16), stochastic=True, offset=quant.noise_offset(SEED, 7)
     )
     assert torch.equal(q.bool(), quant.hash_uniform(v, SEED, salt=7) >= 0.5)
 
