@@ -13,10 +13,10 @@ from typing import Any, Callable
 
 import torch
 
-from . import report
+from .observability import report
 from .config import HotConfig, split_options
-from .inspection import NO_COMPILE_ID, record_partition
-from .passes import HotJointPass, joint_pass
+from .inductor_pass import HotJointPass, joint_pass
+from .observability.inspection import NO_COMPILE_ID, record_partition
 
 
 def _chain_joint_passes(existing: Any, hot_pass: HotJointPass) -> list:

@@ -7,7 +7,9 @@ import fnmatch
 import os
 from typing import Any
 
-from .quant import MAX_BITS, MIN_BITS
+from .plan import PAPER_RANK
+from .runtime.aten_impl import DEFAULT_RANK
+from .runtime.quant import MAX_BITS, MIN_BITS
 
 POLICIES = ("balanced", "hot", "speed", "memory", "off")
 # Keys a per-module override may set.
@@ -30,7 +32,7 @@ PAPER_RECIPE = {
     "gx_quantizer": "per_tensor",
     "weight_quantizer": "sawb",
     "gw_quantizer": "per_tensor",
-    "rank": 8,
+    "rank": PAPER_RANK,
     "exact_loss_head": False,
     "forward_bits": None,
 }
@@ -76,7 +78,7 @@ class HotConfig:
         gw_bits: bit width of both operands of the grad_weight product (HLA), 2..8.
         rank: rows kept of each 16-token Walsh block for HLA/ABC, 1..16 (16 = no low-rank error, the
             default: rank 8 is only right where neighbouring tokens are alike, which
-            :func:`hot_compile.calibrate` measures per layer into ``plan``).
+            :func:`hot_compile.select_quantizers` measures per layer into ``plan``).
         gx_quantizer: scales of the grad_input gradient: ``"per_token"`` (one per row, free in the
             integer GEMM's epilogue) or ``"per_tensor"`` (the paper's).
         weight_quantizer: how HQ quantizes the transformed weight: ``"per_channel"`` (stochastic
@@ -91,7 +93,7 @@ class HotConfig:
         include: module-path globs to consider (``fnmatch`` against paths like ``blocks.0.mlp.fc1``).
         exclude: module-path globs to leave alone; wins over ``include``.
         forward_bits: not the paper's, which leaves the forward exact: the forward product of each
-            linear on integer operands of this width (:func:`hot_compile.ops.int8_linear`:
+            linear on integer operands of this width (:func:`hot_compile.runtime.aten_impl.int8_linear`:
             Hadamard-transformed along the contraction, rounded to nearest, one scale per token and
             one per output feature), a row of its own (path ``"fwd"``) under the same policy, cost
             model and loss-head rule. ``"auto"`` (the default) resolves per device as ``gx_bits``
@@ -101,8 +103,8 @@ class HotConfig:
         hadamard: transform before quantizing in HQ; off quantizes ``g`` and ``W`` as they are (plain
             INT4, the baseline the paper argues against).
         strict: raise on a pass failure instead of warning and compiling the graph unchanged.
-        plan: a :class:`~hot_compile.lqs.QuantizerPlan` (or the path of one saved as JSON) from
-            :func:`hot_compile.calibrate`: per-layer ``gx_quantizer`` and, where the data allow it,
+        plan: a :class:`~hot_compile.plan.QuantizerPlan` (or the path of one saved as JSON) from
+            :func:`hot_compile.select_quantizers`: per-layer ``gx_quantizer`` and, where the data allow it,
             ``rank``; ``overrides`` still win.
         dump_dir: folder for per-graph dumps of what the pass did (default: env ``HOT_DUMP_DIR``).
     """
@@ -113,7 +115,7 @@ class HotConfig:
     device_profile: str = "auto"
     gx_bits: int | str = AUTO
     gw_bits: int = 8
-    rank: int = 16
+    rank: int = DEFAULT_RANK
     gx_quantizer: str = "per_token"
     weight_quantizer: str = "per_channel"
     gw_quantizer: str = "per_channel"
@@ -165,7 +167,7 @@ class HotConfig:
         object.__setattr__(self, "plan", self._loaded_plan())
 
     def _loaded_plan(self):
-        from .lqs import QuantizerPlan
+        from .plan import QuantizerPlan
 
         if self.plan is None or isinstance(self.plan, QuantizerPlan):
             return self.plan
@@ -177,7 +179,7 @@ class HotConfig:
         _fail("plan", self.plan, "None, a QuantizerPlan, or the path of one saved as JSON")
 
     def _validate_profile(self) -> None:
-        from .devices import BUILTIN_PROFILES
+        from .runtime.devices import BUILTIN_PROFILES
 
         accepted = ("auto", "calibrated", *BUILTIN_PROFILES)
         if self.device_profile not in accepted:

@@ -1,7 +1,7 @@
 """Per-layer numerics from real gradients: HLA's rank and, by layer-wise quantizer selection (LQS),
 the scales of HQ's gradient.
 
-:func:`calibrate` runs a few eager forward/backward passes and measures, for every linear:
+:func:`select_quantizers` runs a few eager forward/backward passes and measures, for every linear:
 
 * **rank.** HLA at rank 8 keeps the 8 lowest-sequency Walsh rows of each block of 16 tokens: exact
   where neighbouring tokens are alike, a fixed error where they are not (text). Per layer it compares
@@ -16,138 +16,26 @@ the scales of HQ's gradient.
   threshold 0.5 (``LQS_PAPER_THRESHOLD``): its per-token kernel cost more. Here per-token scales
   are free in the integer GEMM's epilogue, so the default threshold is 1.
 
-The result is a frozen :class:`QuantizerPlan`: hashable, with a deterministic ``repr`` (it is part of
-the compile cache key), saved and loaded as JSON.
+The result is a :class:`~hot_compile.plan.QuantizerPlan`. ``calibrate`` is the former name of
+:func:`select_quantizers`, kept for one release with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
 
-from .hadamard import BLOCK, block_hadamard, lowpass, tail_basis
-from .quant import dequantize, quantize_stochastic
+from .plan import ERROR_BUDGET, PAPER_RANK, LayerChoice, QuantizerPlan
+from .runtime.hadamard import BLOCK, block_hadamard, lowpass, tail_basis
+from .runtime.quant import dequantize, quantize_stochastic
 
-QUANTIZERS = ("per_tensor", "per_token")
 DEFAULT_THRESHOLD = 1.0
 LQS_PAPER_THRESHOLD = 0.5
-# The largest error of a rank-8 product relative to the layer's mini-batch sampling spread: the cut
-# then adds at most 1% to the mean squared error of that layer's gradient.
-ERROR_BUDGET = 0.1
-LOW_RANK = 8
-FORMAT_VERSION = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerChoice:
-    """The numerics chosen for one linear and the calibration errors they were chosen on.
-
-    ``rank`` is set only where the rank-8 error (``rank8_error``, relative to ``‖gᵀx‖``) is within
-    ``ERROR_BUDGET`` of the sampling spread (``sampling_spread``, relative likewise); None leaves the
-    config's rank.
-    """
-
-    module: str
-    quantizer: str
-    per_tensor_error: float
-    per_token_error: float
-    rank: int | None = None
-    rank8_error: float | None = None
-    sampling_spread: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.quantizer not in QUANTIZERS:
-            raise ValueError(f"LayerChoice.quantizer={self.quantizer!r}: accepted values are {QUANTIZERS}")
-        if self.rank is not None and (type(self.rank) is not int or not 1 <= self.rank <= 16):
-            raise ValueError(f"LayerChoice.rank={self.rank!r}: accepted values are None or an int in 1..16")
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantizerPlan:
-    """Per-layer HQ gradient quantizers, keyed by module path (``blocks.0.mlp.fc1``).
-
-    ``source`` says where the plan came from (the calibration that made it). Layers are kept sorted
-    by module path, so two plans with the same choices compare, hash and ``repr`` equal.
-    """
-
-    layers: tuple[LayerChoice, ...]
-    source: str
-
-    def __post_init__(self) -> None:
-        layers = tuple(sorted(self.layers, key=lambda c: c.module))
-        paths = [c.module for c in layers]
-        duplicates = sorted({p for p in paths if paths.count(p) > 1})
-        if duplicates:
-            raise ValueError(f"QuantizerPlan lists module(s) {duplicates} more than once")
-        object.__setattr__(self, "layers", layers)
-
-    def quantizer_for(self, module_path: str) -> str | None:
-        """``"per_tensor"`` or ``"per_token"`` for a calibrated layer; None for one the plan does not cover."""
-        for choice in self.layers:
-            if choice.module == module_path:
-                return choice.quantizer
-        return None
-
-    def settings_for(self, module_path: str) -> dict[str, Any]:
-        """The HotConfig settings the plan makes for ``module_path`` (``gx_quantizer``, and ``rank``
-        where calibration found a lower rank within budget); empty for a layer it does not cover."""
-        for choice in self.layers:
-            if choice.module == module_path:
-                return {"gx_quantizer": choice.quantizer, **({"rank": choice.rank} if choice.rank else {})}
-        return {}
-
-    def as_dict(self) -> dict[str, dict[str, Any]]:
-        """Module path → its settings."""
-        return {c.module: self.settings_for(c.module) for c in self.layers}
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": "hot_compile.QuantizerPlan",
-                "version": FORMAT_VERSION,
-                "source": self.source,
-                "layers": [dataclasses.asdict(c) for c in self.layers],
-            },
-            indent=2,
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> QuantizerPlan:
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("format") != "hot_compile.QuantizerPlan":
-            raise ValueError("not a hot_compile.QuantizerPlan JSON document")
-        if data.get("version") not in (1, FORMAT_VERSION):  # version 1 had no rank fields
-            raise ValueError(f"QuantizerPlan format version {data.get('version')!r}: this version reads {FORMAT_VERSION}")
-        return cls(tuple(LayerChoice(**layer) for layer in data["layers"]), data["source"])
-
-    def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json() + "\n")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> QuantizerPlan:
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
-
-    def table(self) -> str:
-        width = max([len("module")] + [len(c.module) for c in self.layers])
-        lines = [f"{'module'.ljust(width)}  quantizer   per-tensor err  per-token err  rank  rank-8 err  spread"]
-        lines += [
-            f"{c.module.ljust(width)}  {c.quantizer.ljust(10)}  {c.per_tensor_error:14.4g}  {c.per_token_error:13.4g}"
-            f"  {str(c.rank or '-'):>4}  {_fmt(c.rank8_error):>10}  {_fmt(c.sampling_spread):>6}"
-            for c in self.layers
-        ]
-        return f"QuantizerPlan ({self.source})\n" + "\n".join(lines)
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
 
 
 def _errors(grad: torch.Tensor, bits: int, seed: int) -> tuple[float, float]:
@@ -164,9 +52,9 @@ def _errors(grad: torch.Tensor, bits: int, seed: int) -> tuple[float, float]:
 def _lowpass_error(grad: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gᵀx`` and its rank-8 HLA error ``gᵀx − (P₈g)ᵀ(P₈x)/16``, unquantized, in float32."""
     g2, x2 = grad.reshape(-1, grad.shape[-1]).float(), x.reshape(-1, x.shape[-1]).float()
-    tail = tail_basis(g2.shape[0] % BLOCK, LOW_RANK, device=g2.device)
+    tail = tail_basis(g2.shape[0] % BLOCK, PAPER_RANK, device=g2.device)
     exact = g2.t() @ x2
-    return exact, exact - lowpass(g2, LOW_RANK, tail).t() @ lowpass(x2, LOW_RANK, tail) / BLOCK
+    return exact, exact - lowpass(g2, PAPER_RANK, tail).t() @ lowpass(x2, PAPER_RANK, tail) / BLOCK
 
 
 @dataclasses.dataclass
@@ -188,11 +76,11 @@ class _LayerStats:
                 deviation = (grads - grads.mean(0)).square().sum(dim=(1, 2)).sum() / (len(grads) - 1)
                 spread = (deviation.sqrt() / norm).item()
                 if rank8_error <= ERROR_BUDGET * spread:
-                    rank = LOW_RANK
+                    rank = PAPER_RANK
         return LayerChoice(name, quantizer, tensor_err, token_err, rank, rank8_error, spread)
 
 
-def calibrate(
+def select_quantizers(
     model: nn.Module,
     batches: Iterable[Sequence[Any] | Any],
     loss_fn: Callable[..., torch.Tensor],
@@ -221,7 +109,7 @@ def calibrate(
     model = getattr(model, "_orig_mod", model)
     names = {m: name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     if not names:
-        raise ValueError("calibrate: the model has no nn.Linear layers")
+        raise ValueError("select_quantizers: the model has no nn.Linear layers")
     stats: dict[str, _LayerStats] = {}
     outputs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
 
@@ -257,8 +145,20 @@ def calibrate(
             handle.remove()
         outputs.clear()
     if count == 0:
-        raise ValueError("calibrate: no calibration batches")
+        raise ValueError("select_quantizers: no calibration batches")
     layers = tuple(layer.choice(name, threshold) for name, layer in stats.items())
     return QuantizerPlan(
-        layers, f"calibrate: {count} batch(es), INT{bits}, threshold {threshold}, rank budget {ERROR_BUDGET}"
+        layers, f"select_quantizers: {count} batch(es), INT{bits}, threshold {threshold}, rank budget {ERROR_BUDGET}"
     )
+
+
+def calibrate(*args, **kwargs) -> QuantizerPlan:
+    """Deprecated: the former name of :func:`select_quantizers` (``hot-compile calibrate-device``
+    calibrates the cost model's device rates instead)."""
+    warnings.warn(
+        "hot_compile.calibrate is deprecated and will be removed in the next release; "
+        "use hot_compile.select_quantizers",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return select_quantizers(*args, **kwargs)

@@ -1,41 +1,32 @@
-"""The HOT joint-graph pass: find → legality → decide → rewrite → report.
+"""The HOT joint-graph pass: find → filter → legality → cost → decide → rewrite → report.
 
-``HotJointPass`` is an Inductor ``CustomGraphPass`` for ``joint_custom_post_pass``. A failure inside
-it leaves the graph exactly as it was (every inserted node is removed before anything is rewired) and
-warns once; ``HotConfig(strict=True)`` raises instead.
+:func:`run_hot_pass` rewrites one joint graph in place under a :class:`HotConfig` and returns its
+report. It depends only on the config and on the runtime (the custom ops it inserts and the device
+profiles its cost model reads); :mod:`hot_compile.inductor_pass` wraps it for Inductor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import warnings
 
-import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..config import HotConfig
-from ..devices import load_calibrated, resolve_profile
-from .. import inspection  # a module, not names: hot_compile.inspection reads passes.provenance
-from .. import kernels
-from ..report import Report, SiteRow, publish
+from ..runtime import ops
+from ..runtime.devices import resolve_profile
 from .cost_model import SiteCost, forward_cost, grad_input_cost, grad_weight_cost
 from .decide import decide, why_not_selected
-from .numerics import describe, resolve_numerics
 from .legality import why_illegal, why_illegal_forward
+from .numerics import describe, resolve_numerics
 from .rewrite_forward import forward_bias, rewrite_forward
+from .report import Report, SiteRow
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
 from .sites import LinearSite, backward_nodes, find_linear_sites, same_value
 
-__all__ = ["HotJointPass", "HotPassWarning", "joint_pass", "run_hot_pass"]
-
-
-class HotPassWarning(UserWarning):
-    """The HOT pass could not rewrite a graph; it was compiled unchanged."""
+__all__ = ["Report", "SiteRow", "run_hot_pass"]
 
 
 def _hint(n) -> int:
@@ -172,7 +163,7 @@ def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Re
     planned = _plan_and_rewrite(graph, config)
     rewritten = [p for p in planned if p.decision != "kept"]
     for device in {p.site.x2d.meta["val"].device for p in rewritten}:
-        kernels.prepare(device)
+        ops.prepare(device)
     for entry in rewritten:
         if entry.path == "fwd":
             old = entry.site.linear
@@ -187,60 +178,3 @@ def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Re
     hot["sites_rewritten"] += len(rewritten)
     hot["sites_kept"] += len(rows) - len(rewritten)
     return Report(graph_name, rows)
-
-
-def _source_files() -> tuple[str, ...]:
-    import hot_compile
-
-    here = pathlib.Path(__file__).parent
-    package = pathlib.Path(hot_compile.__file__).parent
-    return tuple(str(p) for d in (here, package) for p in sorted(d.glob("*.py")))
-
-
-class HotJointPass(CustomGraphPass):
-    """Inductor joint-graph pass applying HOT under a fixed :class:`HotConfig`."""
-
-    def __init__(self, config: HotConfig | None = None):
-        self.config = config or HotConfig()
-
-    def __call__(self, graph: fx.Graph) -> None:
-        compile_id = torch._guards.CompileContext.current_compile_id()
-        inspected = inspection.JointGraphInspection(graph, self.config, compile_id)
-        name = inspected.name
-        try:
-            report = run_hot_pass(graph, self.config, name)
-        except Exception as exc:
-            inspected.finish(graph, error=exc)
-            if self.config.strict:
-                raise
-            counters["hot"]["graphs_failed"] += 1
-            warnings.warn(
-                f"hot_compile: the HOT pass failed on graph {name} and left it unchanged "
-                f"({type(exc).__name__}: {exc})",
-                HotPassWarning,
-                stacklevel=2,
-            )
-            return
-        publish(report)
-        inspected.finish(graph, report)
-
-    def uuid(self) -> bytes | None:
-        # A cache hit skips the pass, and with it the dump or log someone asked for: no uuid makes
-        # Inductor bypass the FX-graph and AOTAutograd caches while the pass is being inspected.
-        if inspection.inspection_requested(self.config):
-            return None
-        # The FX-graph and AOTAutograd caches key on this: it must change with the pass's code and
-        # every setting, or a cache hit would skip the pass (or replay another config's rewrite);
-        # decisions also depend on the device profile: this machine's calibration, if any, or the
-        # built-in profile its CPU's features select.
-        calibrated = load_calibrated()
-        extra = (
-            f"{self.config!r}|{torch.__version__}|{calibrated.to_json() if calibrated else ''}"
-            f"|{resolve_profile(torch.device('cpu')).name}"
-        )
-        return get_hash_for_files(_source_files(), extra=extra)
-
-
-def joint_pass(config: HotConfig | None = None) -> HotJointPass:
-    """The HOT pass for ``torch._inductor.config.joint_custom_post_pass``."""
-    return HotJointPass(config)

@@ -1,11 +1,11 @@
 """Cost model of one backward matmul site: the original product vs its HOT variant.
 
-Pure functions of integer shapes and a :class:`~hot_compile.devices.DeviceProfile`; nothing here looks
+Pure functions of integer shapes and a :class:`~hot_compile.runtime.devices.DeviceProfile`; nothing here looks
 at a graph. Notation: a linear ``y = x Wᵀ`` with ``x: [L, K]``, ``W: [N, K]``; ``b`` the bytes per
 element of the float dtype; ``Np = 16·⌈N/16⌉``; ``Lr`` the projected token count at rank r, at most
-``⌊r·L/16⌋`` (:func:`~hot_compile.hadamard.lowpass_rows`).
+``⌊r·L/16⌋`` (:func:`~hot_compile.runtime.hadamard.lowpass_rows`).
 Profile rates: ``F`` float matmul FLOP/s of the dtype, ``I`` integer OP/s at the site's bit width
-(:meth:`~hot_compile.devices.DeviceProfile.int8_rate`), ``R``/``W`` read/write bytes/s,
+(:meth:`~hot_compile.runtime.devices.DeviceProfile.int8_rate`), ``R``/``W`` read/write bytes/s,
 ``T`` fused transform+quantize outputs/s, ``c`` seconds per kernel call.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..devices import DeviceProfile
-from ..hadamard import BLOCK, lowpass_rows
+from ..runtime.devices import DeviceProfile
+from ..runtime.hadamard import BLOCK, lowpass_rows
 
 
 def _ceil_div(a: int, b: int) -> int:

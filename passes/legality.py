@@ -7,7 +7,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import HotConfig
-from ..hadamard import lowpass_rows
+from ..runtime.hadamard import lowpass_rows
 from .sites import LinearSite, MatmulUse
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import AUTO, HotConfig
-from ..devices import DeviceProfile
+from ..runtime.devices import DeviceProfile
 
 
 def resolve_numerics(config: HotConfig, profile: DeviceProfile) -> HotConfig:

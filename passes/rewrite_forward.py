@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from ..config import HotConfig
-from .. import kernels
+from ..runtime import ops
 from .inline import insert_traced
 from .provenance import provenance
 from .sites import LinearSite
@@ -32,7 +32,7 @@ def rewrite_forward(graph: fx.Graph, site: LinearSite, config: HotConfig, create
     out_dtype = site.linear.meta["val"].dtype
 
     def linear(x, weight, *maybe_bias):
-        return kernels.int8_linear(x, weight, maybe_bias[0] if maybe_bias else None, config.forward_bits).to(out_dtype)
+        return ops.int8_linear(x, weight, maybe_bias[0] if maybe_bias else None, config.forward_bits).to(out_dtype)
 
     operands = [site.x2d, site.weight] + ([bias] if bias is not None else [])
     return insert_traced(graph, linear, operands, before=site.linear, meta=meta, created=created)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..config import HotConfig
-from .. import kernels
-from ..ops import draw_seed
+from ..runtime import ops
 from .inline import insert_traced
 from .provenance import provenance
 from .sites import LinearSite, strip_transposes
@@ -25,10 +24,10 @@ def rewrite_grad_input(graph: fx.Graph, site: LinearSite, config: HotConfig, cre
 
     def hq(grad, weight):
         g = grad.t() if transposed else grad
-        out = kernels.hq_grad_input(
+        out = ops.hq_grad_input(
             g,
             weight,
-            draw_seed(g),
+            ops.draw_seed(g),
             config.gx_bits,
             config.gx_bits,
             config.gx_quantizer == "per_token",

@@ -12,8 +12,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..config import HotConfig
-from .. import kernels
-from ..ops import draw_seed
+from ..runtime import ops
 from .inline import insert_traced
 from .provenance import provenance
 from .sites import LinearSite, same_value, strip_transposes
@@ -38,7 +37,7 @@ class CompressedActivations:
                 return buffers
 
         def compress(x):
-            return kernels.compress_activation(x, rank, bits, per_channel)
+            return ops.compress_activation(x, rank, bits, per_channel)
 
         meta = provenance(COMPRESS, site.module_path, "gw", site.x2d, "forward")
         buffers = insert_traced(self.graph, compress, [site.x2d], before=site.x2d.next, meta=meta, created=self.created)
@@ -66,7 +65,7 @@ def rewrite_grad_weight(
     def hla(grad, xq, xs):
         g = grad.t() if transposed else grad
         per_channel = config.gw_quantizer == "per_channel"
-        out = kernels.hla_grad_weight(g, xq, xs, draw_seed(g), config.rank, config.gw_bits, per_channel, out_dtype)
+        out = ops.hla_grad_weight(g, xq, xs, ops.draw_seed(g), config.rank, config.gw_bits, per_channel, out_dtype)
         return out.t() if use.out_transposed else out
 
     return insert_traced(graph, hla, [source, x_q, x_scale], before=use.node, meta=meta, created=created)

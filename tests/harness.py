@@ -11,7 +11,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
 from hot_compile import HotConfig
-from hot_compile.passes import HotJointPass
+from hot_compile.inductor_pass import HotJointPass
 
 
 class Graphs:
@@ -60,10 +60,10 @@ def aot_compile(model, config: HotConfig | None = None, pass_cls=HotJointPass, *
 
 
 def pin_int8_path(monkeypatch, kind: str) -> None:
-    """Make ``ops.int8_matmul`` take the integer GEMM ``kind`` (:func:`hot_compile.ops.int8_gemm_kind`:
+    """Make ``int8_matmul`` take the integer GEMM ``kind`` (:func:`hot_compile.runtime.int8_gemm.int8_gemm_kind`:
     ``"int_mm"``, ``"u8s8"`` or ``"float"``) whatever this CPU has."""
-    from hot_compile import ops
+    from hot_compile.runtime import int8_gemm
 
     if kind == "u8s8" and not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN's uint8 × int8 linear needs a torch build with oneDNN")
-    monkeypatch.setattr(ops, "int8_gemm_kind", lambda device: kind)
+    monkeypatch.setattr(int8_gemm, "int8_gemm_kind", lambda device: kind)

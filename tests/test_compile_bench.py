@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from hot_compile import compile_bench
+from hot_compile.harness import compile_bench
 
 
 def test_each_compile_gets_a_new_cache_shared_only_with_its_backends_primer():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import hot_compile
-from hot_compile import HotConfig, devices
+from hot_compile import HotConfig
+from hot_compile.runtime import devices
 from hot_compile.passes import cost_model
 from hot_compile.passes.decide import decide
 from tests.harness import aot_compile

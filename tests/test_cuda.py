@@ -5,7 +5,9 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import hot_compile
-from hot_compile import HotConfig, ops, reference
+from hot_compile import HotConfig
+from hot_compile.runtime import aten_impl
+from tests import reference
 from tests import tolerances as tol
 from tests.data import make, rel_err
 from tests.models import Block, MLP, grad_errors
@@ -18,12 +20,12 @@ SEED = torch.tensor(5)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ops_match_reference_on_cuda(dtype):
     g, w, x = make("gaussian", 400, 136), make("gaussian", 136, 72, 1), make("gaussian", 400, 72, 2)
-    out = ops.hq_grad_input(g.to(CUDA, dtype), w.to(CUDA, dtype), SEED.to(CUDA))
+    out = aten_impl.hq_grad_input(g.to(CUDA, dtype), w.to(CUDA, dtype), SEED.to(CUDA))
     assert out.device.type == "cuda" and out.dtype == dtype
     ref = reference.hq_grad_input(g.to(dtype).float(), w.to(dtype).float(), SEED)
     assert rel_err(out.cpu(), ref) < (tol.FP32_VS_REFERENCE if dtype == torch.float32 else tol.HQ_HALF_PRECISION)
-    xq, xs = ops.compress_activation(x.to(CUDA), rank=16)
-    gw = ops.hla_grad_weight(g.to(CUDA), xq, xs, SEED.to(CUDA), rank=16)
+    xq, xs = aten_impl.compress_activation(x.to(CUDA), rank=16)
+    gw = aten_impl.hla_grad_weight(g.to(CUDA), xq, xs, SEED.to(CUDA), rank=16)
     assert rel_err(gw.cpu(), g.double().T @ x.double()) < tol.HLA_FULL_RANK
 
 

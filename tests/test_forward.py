@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import hot_compile
-from hot_compile import HotConfig, kernels, ops, reference
+from hot_compile import HotConfig
+from hot_compile.runtime import aten_impl, ops
+from tests import reference
 from tests import tolerances as tol
 from tests.data import make, rel_err
 from tests.harness import aot_compile
@@ -18,12 +20,12 @@ L, N, K = 200, 48, 72  # K not a multiple of 16: the transform pads it
 class _CpuKernel:
     @staticmethod
     def int8_linear(x, w, bias=None, *, bits=8):
-        return kernels.int8_linear(x, w, bias, bits)
+        return ops.int8_linear(x, w, bias, bits)
 
 
 @pytest.fixture(params=["composite", "cpu_kernel"])
 def impl(request):
-    return ops if request.param == "composite" else _CpuKernel
+    return aten_impl if request.param == "composite" else _CpuKernel
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -58,8 +60,8 @@ def test_int8_linear_of_zeros_and_non_finite_inputs(impl):
 
 def test_int8_linear_passes_opcheck():
     x, w = make("gaussian", L, K, 0), make("gaussian", N, K, 1)
-    torch.library.opcheck(kernels.int8_linear, (x, w, torch.randn(N), 8))
-    torch.library.opcheck(kernels.int8_linear, (x, w, None, 6))
+    torch.library.opcheck(ops.int8_linear, (x, w, torch.randn(N), 8))
+    torch.library.opcheck(ops.int8_linear, (x, w, None, 6))
 
 
 def _forward_rows(config):
@@ -97,7 +99,7 @@ def test_forward_bits_through_inductor_matches_the_exact_model():
     compiled = torch.compile(model, backend="hot", options=options)
     exact = copy.deepcopy(model).double()(x.double())
     assert rel_err(compiled(x), exact) < tol.E2E_GRAD
-    assert len(hot_compile.last_report().select(path="fwd", decision="HQ")) == 6  # q, k, v, proj, fc1, fc2
+    assert len(hot_compile.last_report().select(path="fwd", decision="HQ")) == 4  # qkv, proj, fc1, fc2
     errors = grad_errors(model, compiled, x)
     assert errors and max(errors.values()) < tol.E2E_GRAD_INT8_FORWARD, errors
 
@@ -114,5 +116,5 @@ def test_int8_linear_on_each_integer_gemm(int8_path, bits):
     """The CPU kernel on every GEMM a CPU may have: the uint8 × int8 one (AVX2, where "auto" gives
     7 bits), torch._int_mm (VNNI, AMX) and the exact float product."""
     x, w, b = make("gaussian", L, K, 0), make("gaussian", N, K, 1), torch.randn(N)
-    out = kernels.int8_linear(x, w, b, bits)
+    out = ops.int8_linear(x, w, b, bits)
     assert rel_err(out, reference.int8_linear(x, w, b, bits=bits)) < tol.FP32_VS_REFERENCE

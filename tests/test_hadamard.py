@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from hot_compile import hadamard, reference
+from hot_compile.runtime import hadamard
+from tests import reference
 from tests import tolerances as tol
 
 F64 = torch.float64

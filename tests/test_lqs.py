@@ -8,7 +8,8 @@ import torch.nn as nn
 import hot_compile
 
 from hot_compile import HotConfig
-from hot_compile.lqs import LQS_PAPER_THRESHOLD, LayerChoice, QuantizerPlan, calibrate
+from hot_compile.lqs import LQS_PAPER_THRESHOLD, select_quantizers
+from hot_compile.plan import LayerChoice, QuantizerPlan
 from tests.harness import aot_compile
 from tests.models import MLP, Block
 
@@ -54,10 +55,10 @@ def _quantizers(plan: QuantizerPlan) -> dict[str, str]:
 def test_paper_rule_picks_per_token_only_where_it_halves_the_error():
     torch.manual_seed(0)
     probe = Probe()
-    uniform = calibrate(probe, _batches(), _same_row_gradient, LQS_PAPER_THRESHOLD)
+    uniform = select_quantizers(probe, _batches(), _same_row_gradient, LQS_PAPER_THRESHOLD)
     assert _quantizers(uniform) == {"fc": "per_tensor"}
     assert uniform.layers[0].per_token_error == pytest.approx(uniform.layers[0].per_tensor_error, rel=0.1)
-    varied = calibrate(probe, _batches(), _scaled_one_hot_rows, LQS_PAPER_THRESHOLD)
+    varied = select_quantizers(probe, _batches(), _scaled_one_hot_rows, LQS_PAPER_THRESHOLD)
     assert _quantizers(varied) == {"fc": "per_token"}
     assert varied.layers[0].per_token_error < 0.05 * varied.layers[0].per_tensor_error
 
@@ -65,12 +66,12 @@ def test_paper_rule_picks_per_token_only_where_it_halves_the_error():
 def test_threshold_is_the_rule():
     torch.manual_seed(0)
     model = MLP()
-    plan = calibrate(model, _batches(), _mean_square, LQS_PAPER_THRESHOLD)
+    plan = select_quantizers(model, _batches(), _mean_square, LQS_PAPER_THRESHOLD)
     ratio = max(c.per_token_error / c.per_tensor_error for c in plan.layers)
-    loose = calibrate(model, _batches(), _mean_square, threshold=min(1.0, ratio * 1.01))
+    loose = select_quantizers(model, _batches(), _mean_square, threshold=min(1.0, ratio * 1.01))
     assert set(_quantizers(loose).values()) == {"per_token"}
     with pytest.raises(ValueError, match="threshold"):
-        calibrate(model, _batches(), _mean_square, threshold=0)
+        select_quantizers(model, _batches(), _mean_square, threshold=0)
 
 
 def test_calibration_leaves_no_trace():
@@ -78,19 +79,19 @@ def test_calibration_leaves_no_trace():
     model = Block()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    plan = calibrate(model, _batches(2), _mean_square)
+    plan = select_quantizers(model, _batches(2), _mean_square)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not model._forward_hooks and not any(m._forward_hooks for m in model.modules())
-    assert [c.module for c in plan.layers] == sorted(["attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", "mlp.fc2"])
+    assert [c.module for c in plan.layers] == sorted(["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"])
 
 
 def test_plan_is_deterministic_and_round_trips_through_json(tmp_path):
     torch.manual_seed(0)
     model = Block()
-    plan = calibrate(model, _batches(2), _mean_square)
-    again = calibrate(model, _batches(2), _mean_square)
+    plan = select_quantizers(model, _batches(2), _mean_square)
+    again = select_quantizers(model, _batches(2), _mean_square)
     assert plan == again and repr(plan) == repr(again) and hash(plan) == hash(again)
 
     path = tmp_path / "plan.json"
@@ -191,8 +192,8 @@ def _smooth_target_loss(model, x):
 def test_rank_follows_the_data_image_like_tokens_get_rank_8_text_like_ones_keep_16():
     torch.manual_seed(0)
     model = TokenProbe()
-    image = calibrate(model, _image_like(4, 1), _smooth_target_loss)
-    text = calibrate(model, _text_like(4, 1), _smooth_target_loss)
+    image = select_quantizers(model, _image_like(4, 1), _smooth_target_loss)
+    text = select_quantizers(model, _text_like(4, 1), _smooth_target_loss)
     assert {c.module: c.rank for c in image.layers} == {"fc1": 8, "fc2": 8}
     assert {c.module: c.rank for c in text.layers} == {"fc1": None, "fc2": None}
     for image_choice, text_choice in zip(image.layers, text.layers):
@@ -202,14 +203,14 @@ def test_rank_follows_the_data_image_like_tokens_get_rank_8_text_like_ones_keep_
 
 
 def test_one_batch_measures_no_spread_and_keeps_the_rank():
-    plan = calibrate(TokenProbe(), _image_like(1, 1), _smooth_target_loss)
+    plan = select_quantizers(TokenProbe(), _image_like(1, 1), _smooth_target_loss)
     assert all(c.rank is None and c.sampling_spread is None and c.rank8_error is not None for c in plan.layers)
 
 
 def test_calibrated_rank_reaches_the_compiled_graph_and_the_report():
     torch.manual_seed(0)
     model = TokenProbe()
-    plan = calibrate(model, _image_like(4, 1), _smooth_target_loss)
+    plan = select_quantizers(model, _image_like(4, 1), _smooth_target_loss)
     compiled, graphs = aot_compile(model, HotConfig(policy="hot", strict=True, plan=plan))
     _smooth_target_loss(compiled, _image_like(1, 2)[0]).backward()
     compress = [n for n in graphs.joint.graph.nodes if n.target is torch.ops.hot_compile.compress_activation.default]

@@ -2,7 +2,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hot_compile import hadamard, kernels, ops, reference
+from hot_compile.runtime import aten_impl, hadamard, int8_gemm, ops
+from tests import reference
 from tests import tolerances as tol
 from tests.data import KINDS, make, rel_err
 from tests.harness import pin_int8_path
@@ -14,27 +15,27 @@ PAPER_HQ = dict(grad_bits=4, weight_bits=4, per_token=False, weight_quantizer="s
 
 
 class _CpuKernels:
-    """HOT's custom ops, whose CPU kernels are the fused loops of :mod:`hot_compile.cpu_native`, called
-    like the functions of :mod:`hot_compile.ops`."""
+    """HOT's custom ops, whose CPU kernels are the fused loops of :mod:`hot_compile.runtime.cpu_kernels`, called
+    like the functions of :mod:`hot_compile.runtime.aten_impl`."""
 
     @staticmethod
     def hq_grad_input(g, w, seed, *, grad_bits=8, weight_bits=8, per_token=True, hadamard=True, weight_quantizer="per_channel"):
-        return kernels.hq_grad_input(g, w, seed, grad_bits, weight_bits, per_token, hadamard, weight_quantizer)
+        return ops.hq_grad_input(g, w, seed, grad_bits, weight_bits, per_token, hadamard, weight_quantizer)
 
     @staticmethod
     def compress_activation(x, *, rank=16, bits=8, per_channel=True):
-        return kernels.compress_activation(x, rank, bits, per_channel)
+        return ops.compress_activation(x, rank, bits, per_channel)
 
     @staticmethod
     def hla_grad_weight(g, xq, xs, seed, *, rank=16, bits=8, per_channel=True, out_dtype=None):
-        return kernels.hla_grad_weight(g, xq, xs, seed, rank, bits, per_channel, out_dtype or g.dtype)
+        return ops.hla_grad_weight(g, xq, xs, seed, rank, bits, per_channel, out_dtype or g.dtype)
 
 
 @pytest.fixture(params=["composite", "cpu_kernel"])
 def impl(request):
     """Each test of the numerics runs on both implementations of HOT's ops: the aten composites (what
-    other devices compile) and the CPU kernels."""
-    return ops if request.param == "composite" else _CpuKernels
+    other devices compile) and the CPU ops."""
+    return aten_impl if request.param == "composite" else _CpuKernels
 
 
 def _operands(kind, seed=0):
@@ -86,8 +87,8 @@ def test_hla_full_rank_equals_gtx_up_to_quantization(kind):
     exact = g.double().T @ x.double()
     errors = {}
     for per_channel in (False, True):
-        xq, xs = ops.compress_activation(x, rank=16, per_channel=per_channel)
-        errors[per_channel] = rel_err(ops.hla_grad_weight(g, xq, xs, SEED, rank=16, per_channel=per_channel), exact)
+        xq, xs = aten_impl.compress_activation(x, rank=16, per_channel=per_channel)
+        errors[per_channel] = rel_err(aten_impl.hla_grad_weight(g, xq, xs, SEED, rank=16, per_channel=per_channel), exact)
     print(f"HLA r=16 INT8 {kind}: rel err per-tensor {errors[False]:.4f}, per-channel {errors[True]:.4f}")
     assert errors[False] < (tol.HLA_FULL_RANK_OUTLIER if kind == "outlier" else tol.HLA_FULL_RANK)
     assert errors[True] < tol.INT8_PER_SLICE_PRODUCT
@@ -96,16 +97,16 @@ def test_hla_full_rank_equals_gtx_up_to_quantization(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_hla_rank8_matches_lowpass_product(kind):
     g, _, x = _operands(kind)
-    xq, xs = ops.compress_activation(x, rank=8)
-    err = rel_err(ops.hla_grad_weight(g, xq, xs, SEED, rank=8), reference.lowpass_product(g.double(), x.double()))
+    xq, xs = aten_impl.compress_activation(x, rank=8)
+    err = rel_err(aten_impl.hla_grad_weight(g, xq, xs, SEED, rank=8), reference.lowpass_product(g.double(), x.double()))
     assert err < tol.HLA_RANK8_VS_LOWPASS * (3 if kind == "outlier" else 1)
 
 
 def test_hla_rank8_on_token_smooth_data():
     g = make("smooth", L, N, 3)
     x = make("smooth", L, K, 4)
-    xq, xs = ops.compress_activation(x, rank=8)
-    err = rel_err(ops.hla_grad_weight(g, xq, xs, SEED, rank=8), g.double().T @ x.double())
+    xq, xs = aten_impl.compress_activation(x, rank=8)
+    err = rel_err(aten_impl.hla_grad_weight(g, xq, xs, SEED, rank=8), g.double().T @ x.double())
     print(f"HLA r=8 INT8 on token-smooth data: rel err {err:.4f}")
     assert err < tol.HLA_RANK8_SMOOTH
 
@@ -114,10 +115,10 @@ def test_hla_rank8_on_token_smooth_data():
 def test_hq_error_bands(kind):
     g, w, _ = _operands(kind)
     exact = g.double() @ w.double()
-    per_tensor = max(rel_err(ops.hq_grad_input(g, w, torch.tensor(s), **PAPER_HQ), exact) for s in range(4))
+    per_tensor = max(rel_err(aten_impl.hq_grad_input(g, w, torch.tensor(s), **PAPER_HQ), exact) for s in range(4))
     paper_per_token = {**PAPER_HQ, "per_token": True}
-    per_token = max(rel_err(ops.hq_grad_input(g, w, torch.tensor(s), **paper_per_token), exact) for s in range(4))
-    defaults = max(rel_err(ops.hq_grad_input(g, w, torch.tensor(s)), exact) for s in range(4))
+    per_token = max(rel_err(aten_impl.hq_grad_input(g, w, torch.tensor(s), **paper_per_token), exact) for s in range(4))
+    defaults = max(rel_err(aten_impl.hq_grad_input(g, w, torch.tensor(s)), exact) for s in range(4))
     print(f"HQ INT4 {kind}: per-tensor {per_tensor:.3f}, per-token {per_token:.3f}; INT8 defaults {defaults:.4f}")
     band = {"gaussian": tol.HQ_GAUSSIAN, "lognormal": tol.HQ_LOGNORMAL_PER_TENSOR, "outlier": tol.HQ_OUTLIER}
     assert per_tensor < band[kind]
@@ -130,8 +131,8 @@ def test_hadamard_lowers_int4_error_on_outliers(kind):
     g, w, _ = _operands(kind)
     exact = g.double() @ w.double()
     seeds = [torch.tensor(s) for s in range(8)]
-    with_h = sum(rel_err(ops.hq_grad_input(g, w, s, **PAPER_HQ), exact) for s in seeds) / len(seeds)
-    plain = sum(rel_err(ops.hq_grad_input(g, w, s, hadamard=False, **PAPER_HQ), exact) for s in seeds) / len(seeds)
+    with_h = sum(rel_err(aten_impl.hq_grad_input(g, w, s, **PAPER_HQ), exact) for s in seeds) / len(seeds)
+    plain = sum(rel_err(aten_impl.hq_grad_input(g, w, s, hadamard=False, **PAPER_HQ), exact) for s in seeds) / len(seeds)
     print(f"INT4 {kind}: Hadamard {with_h:.3f} vs plain {plain:.3f}")
     assert with_h < 0.75 * plain
 
@@ -234,30 +235,30 @@ class _RecordCalls(TorchDispatchMode):
 def test_integer_matmul_is_int8_to_int32():
     g, w, x = _operands("gaussian")
     with _RecordCalls(torch.ops.aten._int_mm.default) as rec:
-        ops.hq_grad_input(g, w, SEED)
-        ops.hla_grad_weight(g, *ops.compress_activation(x), SEED)
+        aten_impl.hq_grad_input(g, w, SEED)
+        aten_impl.hla_grad_weight(g, *aten_impl.compress_activation(x), SEED)
     assert [(a.dtype, b.dtype, out.dtype) for (a, b), out in rec.calls] == [(torch.int8, torch.int8, torch.int32)] * 2
 
 
-@pytest.mark.parametrize("k", [16, ops.exact_float32_length(), ops.exact_float32_length() + 16, 3000])
+@pytest.mark.parametrize("k", [16, int8_gemm.exact_float32_length(), int8_gemm.exact_float32_length() + 16, 3000])
 def test_int8_matmul_is_exact_on_either_path(int8_path, k):
     # The extremes make every partial sum as large as int8 allows: -128·-128 summed K times.
     a = torch.randint(-128, 128, (33, k), dtype=torch.int8)
     b = torch.randint(-128, 128, (k, 24), dtype=torch.int8)
     a[0], b[:, 0] = -128, -128
     exact = (a.long() @ b.long()).to(torch.int32)
-    out = ops.int8_matmul(a, b.t().contiguous().t())  # a column-major operand, as HLA passes
+    out = int8_gemm.int8_matmul(a, b.t().contiguous().t())  # a column-major operand, as HLA passes
     assert out.dtype == torch.int32 and torch.equal(out, exact)
     assert out[0, 0] == 128 * 128 * k
 
 
 def test_long_int8_contraction_runs_in_equal_pieces(monkeypatch):
     pin_int8_path(monkeypatch, "float")
-    k = 2 * ops.exact_float32_length() + 2  # three pieces of k/3, not of the longest exact length
+    k = 2 * int8_gemm.exact_float32_length() + 2  # three pieces of k/3, not of the longest exact length
     a = torch.randint(-128, 128, (5, k), dtype=torch.int8)
     b = torch.randint(-128, 128, (k, 4), dtype=torch.int8)
     with _RecordCalls(torch.ops.aten.bmm.default) as rec:
-        out = ops.int8_matmul(a, b)
+        out = int8_gemm.int8_matmul(a, b)
     [((pieces_a, _), _)] = rec.calls
     assert pieces_a.shape == (3, 5, -(-k // 3))  # 684 columns each: 2 of padding in all
     assert torch.equal(out, (a.long() @ b.long()).to(torch.int32))
@@ -269,7 +270,7 @@ def test_int8_matmul_of_int4_values_is_exact_in_one_product(int8_path):
     b = torch.randint(-7, 8, (k, 5), dtype=torch.int8)
     b[:, 0] = -7
     with _RecordCalls(torch.ops.hot_compile.u8s8_linear.default) as rec:
-        out = ops.int8_matmul(a, b, 7, 7)
+        out = int8_gemm.int8_matmul(a, b, 7, 7)
     assert torch.equal(out, (a.long() @ b.long()).to(torch.int32)) and out[0, 0] == 49 * k
     assert len(rec.calls) == (int8_path == "u8s8")
 
@@ -278,22 +279,22 @@ def test_u8s8_product_is_exact_up_to_its_int16_bound(monkeypatch):
     """oneDNN's uint8 × int8 GEMM without VNNI adds adjacent products in saturating int16: with ``a``
     shifted by 127 to 254 and ``b`` at ±64, a pair sums to ±32512, within int16; at ±65 it would not."""
     pin_int8_path(monkeypatch, "u8s8")
-    assert ops.u8s8_exact(127, 64) and not ops.u8s8_exact(127, 65) and not ops.u8s8_exact(127, 127)
+    assert int8_gemm.u8s8_exact(127, 64) and not int8_gemm.u8s8_exact(127, 65) and not int8_gemm.u8s8_exact(127, 127)
     k = 1000
     a = torch.randint(-127, 128, (40, k), dtype=torch.int8)
     b = torch.randint(-64, 65, (k, 30), dtype=torch.int8)
     a[0], b[:, 0], b[:, 1] = 127, 64, -64  # every pair sum of out[0, :2] at ±2·254·64
     with _RecordCalls(torch.ops.hot_compile.u8s8_linear.default) as rec:
-        out = ops.int8_matmul(a, b, 127, 64)
+        out = int8_gemm.int8_matmul(a, b, 127, 64)
     assert len(rec.calls) == 1 and torch.equal(out, (a.long() @ b.long()).to(torch.int32))
     with _RecordCalls(torch.ops.hot_compile.u8s8_linear.default) as rec:
-        ops.int8_matmul(a, b, 127, 127)
+        int8_gemm.int8_matmul(a, b, 127, 127)
     assert not rec.calls  # two INT8 operands take the float GEMM
 
 
 def test_int8_matmul_rejects_float():
     with pytest.raises(TypeError, match="int8"):
-        ops.int8_matmul(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.int8))
+        int8_gemm.int8_matmul(torch.ones(2, 2), torch.ones(2, 2, dtype=torch.int8))
 
 
 def test_draw_seed_follows_manual_seed():
@@ -308,36 +309,36 @@ def test_draw_seed_follows_manual_seed():
 @pytest.mark.parametrize("hadamard", [True, False])
 @pytest.mark.parametrize("per_token", [True, False])
 def test_custom_ops_match_the_eager_functions(dtype, hadamard, per_token):
-    """HOT's custom ops (on the CPU, the fused kernels) against :mod:`hot_compile.ops` run eagerly, on a
+    """HOT's custom ops (on the CPU, the fused kernels) against :mod:`hot_compile.runtime.aten_impl` run eagerly, on a
     column-major gradient and a Parameter weight, as a backward hands them over: the same integer
     levels up to ties at a rounding boundary."""
     g, w, x = _operands("gaussian")
     g = g.to(dtype).t().contiguous().t()
     w, x = torch.nn.Parameter(w.to(dtype)), x.to(dtype)
     for rank, per_channel in ((8, True), (16, not per_token)):
-        xq, xs = kernels.compress_activation(x, rank, 8, per_channel)
-        ref_q, ref_s = ops.compress_activation(x, rank=rank, per_channel=per_channel)
+        xq, xs = ops.compress_activation(x, rank, 8, per_channel)
+        ref_q, ref_s = aten_impl.compress_activation(x, rank=rank, per_channel=per_channel)
         assert (xq != ref_q).float().mean() <= tol.LEVEL_MISMATCH_FRACTION and torch.allclose(xs, ref_s)
-        hla = kernels.hla_grad_weight(g, xq, xs, SEED, rank, 8, per_channel, torch.float32)
-        ref = ops.hla_grad_weight(g, xq, xs, SEED, rank=rank, per_channel=per_channel, out_dtype=torch.float32)
+        hla = ops.hla_grad_weight(g, xq, xs, SEED, rank, 8, per_channel, torch.float32)
+        ref = aten_impl.hla_grad_weight(g, xq, xs, SEED, rank=rank, per_channel=per_channel, out_dtype=torch.float32)
         assert hla.dtype == torch.float32 and rel_err(hla, ref) < tol.FP32_VS_REFERENCE
     for weight_quantizer in ("per_channel", "stochastic", "sawb"):
         settings = dict(per_token=per_token, hadamard=hadamard, weight_quantizer=weight_quantizer)
-        hq = kernels.hq_grad_input(g, w, SEED, 8, 8, per_token, hadamard, weight_quantizer)
-        assert hq.dtype == dtype and rel_err(hq, ops.hq_grad_input(g, w, SEED, **settings)) < tol.FP32_VS_REFERENCE
+        hq = ops.hq_grad_input(g, w, SEED, 8, 8, per_token, hadamard, weight_quantizer)
+        assert hq.dtype == dtype and rel_err(hq, aten_impl.hq_grad_input(g, w, SEED, **settings)) < tol.FP32_VS_REFERENCE
 
 
 def test_custom_ops_pass_opcheck():
     g, w, x = _operands("gaussian")
     for per_channel in (False, True):
-        xq, xs = ops.compress_activation(x, rank=8, per_channel=per_channel)
-        torch.library.opcheck(kernels.compress_activation, (x, 8, 8, per_channel))
-        torch.library.opcheck(kernels.hla_grad_weight, (g, xq, xs, SEED, 8, 8, per_channel, torch.float32))
+        xq, xs = aten_impl.compress_activation(x, rank=8, per_channel=per_channel)
+        torch.library.opcheck(ops.compress_activation, (x, 8, 8, per_channel))
+        torch.library.opcheck(ops.hla_grad_weight, (g, xq, xs, SEED, 8, 8, per_channel, torch.float32))
     for weight_quantizer in ("per_channel", "stochastic"):
-        torch.library.opcheck(kernels.hq_grad_input, (g, w, SEED, 4, 4, False, True, weight_quantizer))
+        torch.library.opcheck(ops.hq_grad_input, (g, w, SEED, 4, 4, False, True, weight_quantizer))
     if torch.backends.mkldnn.is_available():
         a = torch.randint(0, 15, (L, K), dtype=torch.uint8)
-        torch.library.opcheck(ops.u8s8_linear, (a, 7, torch.randint(-7, 8, (N, K), dtype=torch.int8)))
+        torch.library.opcheck(int8_gemm.u8s8_linear, (a, 7, torch.randint(-7, 8, (N, K), dtype=torch.int8)))
 
 
 def test_one_kernel_serves_every_shape():
@@ -347,14 +348,14 @@ def test_one_kernel_serves_every_shape():
 
     def step(tokens, n, k):
         gs, ws, xs = g[:tokens, :n].contiguous(), w[:n, :k].contiguous(), x[:tokens, :k].contiguous()
-        kernels.compiled_hq_grad_input(gs, ws, SEED, 8, 8, True, True, "per_channel")
-        kernels.compiled_hla_grad_weight(gs, *kernels.compiled_compress_activation(xs, 8, 8, True), SEED, 8, 8, True, torch.float32)
+        ops.compiled_hq_grad_input(gs, ws, SEED, 8, 8, True, True, "per_channel")
+        ops.compiled_hla_grad_weight(gs, *ops.compiled_compress_activation(xs, 8, 8, True), SEED, 8, 8, True, torch.float32)
 
     step(L, N, K)
-    built = kernels.build_seconds()
+    built = ops.build_seconds()
     step(197, 100, 40)
     step(300, 100, 40)
-    assert kernels.build_seconds() == built
+    assert ops.build_seconds() == built
 
 
 def test_kernels_take_their_integer_settings_as_constants():
@@ -363,8 +364,8 @@ def test_kernels_take_their_integer_settings_as_constants():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     _, _, x = _operands("gaussian")
-    kernels.compiled_compress_activation(x, 4, 6, True)
-    kernel = kernels._kernel(ops.compress_activation, (("bits", 6), ("per_channel", True), ("rank", 4)))
+    ops.compiled_compress_activation(x, 4, 6, True)
+    kernel = ops._kernel(aten_impl.compress_activation, (("bits", 6), ("per_channel", True), ("rank", 4)))
     (entry,) = _debug_get_cache_entry_list(kernel._torchdynamo_orig_callable.__code__)
     guards = entry.guard_manager.code_parts
     assert "L['settings']['rank'] == 4" in guards and "L['settings']['bits'] == 6" in guards
@@ -380,20 +381,20 @@ def test_kernels_build_once_whatever_the_dispatch_state():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.hot_compile.compress_activation.default:
-                return kernels.compiled_compress_activation(*args, **(kwargs or {}))
+                return ops.compiled_compress_activation(*args, **(kwargs or {}))
             return func(*args, **(kwargs or {}))
 
     with CompiledKernelUnderMode():
-        kernels.compress_activation(x, 8, 8, True)
-    built = kernels.build_seconds()
-    kernels.compiled_compress_activation(x, 8, 8, True)
-    assert kernels.build_seconds() == built
+        ops.compress_activation(x, 8, 8, True)
+    built = ops.build_seconds()
+    ops.compiled_compress_activation(x, 8, 8, True)
+    assert ops.build_seconds() == built
 
 
 def test_kernels_build_once_for_views_and_parameters():
     """A backward hands the ops views in one call and fresh tensors or Parameters in the next."""
     g, w, _ = _operands("gaussian")
-    kernels.compiled_hq_grad_input(g[:300], torch.cat([w, w])[:N], SEED, 8, 8, True, True, "per_channel")  # contiguous views
-    built = kernels.build_seconds()
-    kernels.compiled_hq_grad_input(g[:300].clone(), torch.nn.Parameter(w.clone()), SEED, 8, 8, True, True, "per_channel")
-    assert kernels.build_seconds() == built
+    ops.compiled_hq_grad_input(g[:300], torch.cat([w, w])[:N], SEED, 8, 8, True, True, "per_channel")  # contiguous views
+    built = ops.build_seconds()
+    ops.compiled_hq_grad_input(g[:300].clone(), torch.nn.Parameter(w.clone()), SEED, 8, 8, True, True, "per_channel")
+    assert ops.build_seconds() == built

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from hot_compile import quant, reference
+from hot_compile.runtime import quant
+from tests import reference
 from tests import tolerances as tol
 from tests.data import make, rel_err
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hot_compile import cli
-from hot_compile.tasks import gpt, runner
-from hot_compile.tasks.common import INDUCTOR, Schedule, Variant, train_side_by_side
+from hot_compile.harness.tasks import gpt, runner
+from hot_compile.harness.tasks.common import INDUCTOR, Schedule, Variant, train_side_by_side
 from tests import tolerances as tol
 
 
@@ -85,7 +85,7 @@ def test_ablation_harness_runs_every_variant():
 
 def test_vit_on_digits_tiny():
     pytest.importorskip("sklearn", reason="task 2 needs scikit-learn's bundled digits")
-    from hot_compile.tasks import vit
+    from hot_compile.harness.tasks import vit
 
     task = vit.DigitsTask()
     assert len(task.train_labels) + len(task.validation_labels) + len(task.test_labels) == 1797
@@ -99,7 +99,7 @@ def _tiny_bert_dir(path):
     """A randomly initialised two-layer BERT with a word-level vocabulary, in Hugging Face layout."""
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
-    from hot_compile.tasks import minilm
+    from hot_compile.harness.tasks import minilm
 
     words = sorted({w.lower() for s in minilm.topic_sentences(3, 8).values() for t in s for w in t.split()})
     vocab = path / "vocab.txt"
@@ -114,7 +114,7 @@ def _tiny_bert_dir(path):
 
 def test_minilm_fine_tune_pipeline_on_a_tiny_bert(tmp_path):
     pytest.importorskip("transformers", reason="task 3 loads its encoder with transformers")
-    from hot_compile.tasks import minilm
+    from hot_compile.harness.tasks import minilm
 
     task = minilm.DocTopicTask(minilm.TINY, model_dir=_tiny_bert_dir(tmp_path))
     assert len(task.topics) == 3
@@ -136,7 +136,7 @@ def test_minilm_fine_tune_pipeline_on_a_tiny_bert(tmp_path):
 )
 def test_bundled_minilm_loads_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from hot_compile.tasks import minilm
+    from hot_compile.harness.tasks import minilm
 
     tokenizer, encoder = minilm.load_encoder(minilm.bundled_model_dir())
     assert encoder.config.hidden_size == 384 and encoder.config.num_hidden_layers == 6
@@ -177,8 +177,8 @@ def test_minilm_gradient_error_at_the_defaults_is_a_tenth_of_the_sampling_noise(
     """One cross-entropy step of the pretrained MiniLM on 32 real sentences with policy="hot": HOT's
     error against float64 within 0.1 × the batch's sampling noise (its distance from 256 sentences'
     gradient), so it adds at most 1% to the gradient's variance."""
-    from hot_compile.tasks import minilm
-    from hot_compile.tasks.gradient_noise import gradient_error
+    from hot_compile.harness.tasks import minilm
+    from hot_compile.harness.tasks.gradient_noise import gradient_error
 
     measured = gradient_error(minilm.DocTopicTask(), {"policy": "hot"})
     print(measured.as_dict())

@@ -60,7 +60,7 @@ E2E_GRAD_INT8_FORWARD = 2 * E2E_GRAD
 E2E_GRAD_RANK8_SMOOTH = E2E_GRAD + HLA_RANK8_SMOOTH
 
 # HOT's gradient error on a real loss, as a fraction of the mini-batch sampling noise: 0.1 adds at
-# most 1% to the variance of the gradient (hot_compile.tasks.gradient_noise).
+# most 1% to the variance of the gradient (hot_compile.harness.tasks.gradient_noise).
 GRADIENT_ERROR_PER_SAMPLING_NOISE = 0.1
 
 # Training tasks: both backends start from one model and one batch, and HOT with forward_bits=None

@@ -6,7 +6,7 @@
 
 import sys
 
-from hot_compile.bench import main
+from hot_compile.harness.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,7 +6,7 @@ HOT's kernels already in Inductor's cache (see hot_compile/compile_bench.py).
 
 import sys
 
-from hot_compile.compile_bench import main
+from hot_compile.harness.compile_bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,7 +21,8 @@ import time
 import torch
 
 import hot_compile
-from hot_compile import HotConfig, devices
+from hot_compile import HotConfig
+from hot_compile.runtime import devices
 from hot_compile.passes.cost_model import grad_input_cost, grad_weight_cost
 from hot_compile.passes.numerics import resolve_numerics
 

@@ -22,16 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hot_compile.memory import saved_for_backward_bytes
-
-
-class MLPBlock(nn.Module):
-    def __init__(self, dim=768, hidden=3072):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
+from hot_compile.harness.models import MLP
+from hot_compile.observability.memory import saved_for_backward_bytes
 
 
 class LinearStack(nn.Module):
@@ -94,7 +86,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     rows = []
-    for name, factory in (("vit-b mlp block", MLPBlock), ("vit-b linear stack", LinearStack)):
+    for name, factory in (("vit-b mlp block", lambda: MLP(768, 3072)), ("vit-b linear stack", LinearStack)):
         model = factory().cuda()
         xs = [torch.randn(args.batch, args.tokens, 768, device="cuda") for _ in range(4)]
         grad = torch.randn(args.batch, args.tokens, 768, device="cuda") / 100

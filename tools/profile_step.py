@@ -18,7 +18,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hot_compile import bench
+from hot_compile.harness import bench, bench_cases, bench_report
 
 ROWS = 12
 WARMUP = 3
@@ -34,11 +34,11 @@ def _table(prof, limit: int) -> list[tuple[str, float, float, int]]:
 
 def profile_model(model: str, variants: tuple[str, ...], threads: int) -> str:
     torch.set_num_threads(threads)
-    spec = bench.BenchSpec(models=(model,), variants=variants, fresh_cache=False)
-    case = bench.build_case(model, spec)
+    spec = bench_cases.BenchSpec(models=(model,), variants=variants, fresh_cache=False)
+    case = bench_cases.build_case(model, spec)
     if isinstance(case, str):
         return f"**{model}**: skipped, {case}\n"
-    runners = [bench.Runner(v, case, fresh_cache=False, hot_policy=spec.hot_policy) for v in variants]
+    runners = [bench_cases.Runner(v, case, fresh_cache=False, hot_policy=spec.hot_policy) for v in variants]
     for runner in runners:
         runner.first_step()
     for i in range(WARMUP):
@@ -62,12 +62,12 @@ def profile_model(model: str, variants: tuple[str, ...], threads: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    bench.add_selection_arguments(parser, bench.HOT_AND_INDUCTOR)
+    bench.add_selection_arguments(parser, bench_cases.HOT_AND_INDUCTOR)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args(argv)
     command = "python tools/profile_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = [f"`{command}`", "", bench.machine_line(bench.machine_info()), ""]
+    text = [f"`{command}`", "", bench_report.machine_line(bench.machine_info()), ""]
     for model in args.models:
         text.append(profile_model(model, args.variants, args.threads))
         print(text[-1], flush=True)

@@ -27,14 +27,14 @@ WARMUP = 2
 def _child(model: str, variant: str, threads: int) -> dict:
     import torch
 
-    from hot_compile import bench
+    from hot_compile.harness import bench_cases
 
     torch.set_num_threads(threads)
-    spec = bench.BenchSpec(models=(model,), variants=(variant,), fresh_cache=False)
-    case = bench.build_case(model, spec)
+    spec = bench_cases.BenchSpec(models=(model,), variants=(variant,), fresh_cache=False)
+    case = bench_cases.build_case(model, spec)
     if isinstance(case, str):
         return {"model": model, "variant": variant, "skipped": case}
-    runner = bench.Runner(variant, case, fresh_cache=False, hot_policy=spec.hot_policy)
+    runner = bench_cases.Runner(variant, case, fresh_cache=False, hot_policy=spec.hot_policy)
     runner.first_step()
     for i in range(WARMUP):
         runner.step(i + 1)
@@ -73,10 +73,10 @@ def _markdown(rows: list[dict], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hot_compile import bench
+    from hot_compile.harness import bench, bench_cases
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    bench.add_selection_arguments(parser, bench.HOT_AND_INDUCTOR)
+    bench.add_selection_arguments(parser, bench_cases.HOT_AND_INDUCTOR)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)

@@ -6,7 +6,8 @@ import dataclasses
 import json
 from typing import Callable, Sequence
 
-from ..config import PAPER_RECIPE, HotConfig
+from ...config import PAPER_RECIPE, HotConfig
+from ...plan import PAPER_RANK
 from .common import INDUCTOR, RunResult, Schedule, Task, Variant, gap, train_side_by_side
 
 
@@ -84,7 +85,7 @@ def ablation_variants(base: HotConfig) -> list[Variant]:
         Variant("HQ gx", base.replace(rewrite_gw=False)),
         Variant("HLA gw", base.replace(rewrite_gx=False)),
         Variant("HOT", base),
-        Variant("HOT rank 8", base.replace(rank=8)),
+        Variant(f"HOT rank {PAPER_RANK}", base.replace(rank=PAPER_RANK)),
         Variant("paper recipe", base.replace(**PAPER_RECIPE)),
     ]
 

@@ -1,6 +1,6 @@
 """``hot-compile demo``: train one model with ``backend="inductor"`` fp32 and ``backend="hot"`` side by side.
 
-The model is task 1 (``hot_compile.tasks.gpt``): a byte-level GPT-style language model on the text of
+The model is task 1 (``hot_compile.harness.tasks.gpt``): a byte-level GPT-style language model on the text of
 CPython's documentation (``pydoc_data.topics``), both runs from one seed and one data order. At the
 end it prints the final held-out losses, the step times, the activation bytes each backend saves for
 the backward, and HOT's per-layer decisions, and writes a PNG of both loss curves.
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from .config import HotConfig
+    from ..config import HotConfig
     from .tasks import runner
     from .tasks.common import INDUCTOR, Variant, train_side_by_side
 

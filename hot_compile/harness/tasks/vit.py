@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .common import Batch, Schedule, classification_metrics
-from .layers import Block, init_weights
+from ..models import Block, init_weights
 
 IMAGE = 8
 PATCH = 2

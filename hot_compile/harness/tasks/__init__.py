@@ -4,7 +4,7 @@
 * ``vit``: a small Vision Transformer trained from scratch on scikit-learn's digits (test accuracy);
 * ``minilm``: the pretrained all-MiniLM-L6-v2 fine-tuned to tell documentation topics apart (test accuracy).
 
-``python -m hot_compile.tasks TASK`` runs one (``ablation``: task 1 with each part of HOT alone);
+``python -m hot_compile.harness.tasks TASK`` runs one (``ablation``: task 1 with each part of HOT alone);
 ``hot-compile demo`` is task 1 with a progress bar, a report and a plot. Both variants of a run start
 from one set of weights and see one data order (``common.train_side_by_side``).
 """

@@ -21,9 +21,10 @@ import torch.nn as nn
 
 import hot_compile
 from hot_compile.config import HotConfig
-from hot_compile.lqs import QuantizerPlan, calibrate
-from hot_compile.memory import saved_for_backward_bytes
-from hot_compile.report import Report
+from hot_compile.lqs import select_quantizers
+from hot_compile.observability.memory import saved_for_backward_bytes
+from hot_compile.passes.report import Report
+from hot_compile.plan import QuantizerPlan
 
 Batch = tuple[torch.Tensor, ...]
 
@@ -32,7 +33,7 @@ Batch = tuple[torch.Tensor, ...]
 class Variant:
     """One way of compiling the model: ``config=None`` is ``backend="inductor"`` (the fp32 reference).
 
-    ``calibrated``: the HQ gradient quantizer of each layer comes from :func:`hot_compile.calibrate`
+    ``calibrated``: the HQ gradient quantizer of each layer comes from :func:`hot_compile.select_quantizers`
     (LQS) on the task's calibration batches and the initial weights (``HotConfig.plan``).
     """
 
@@ -212,7 +213,7 @@ def train_side_by_side(
         initial = task.build_model()
         plan = None
         if any(v.calibrated for v in variants):
-            plan = calibrate(initial, task.calibration_batches(), lambda model, batch: model(*batch))
+            plan = select_quantizers(initial, task.calibration_batches(), lambda model, batch: model(*batch))
         runs = [_Run(v, copy.deepcopy(initial), schedule, plan) for v in variants]
         data = task.batches(torch.Generator().manual_seed(seed))
         batch: Batch | None = None

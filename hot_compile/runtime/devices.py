@@ -1,9 +1,9 @@
-"""Device profiles for the cost model: rates and bandwidths as data, plus local calibration.
+"""Device profiles for the cost model: rates and bandwidths as data.
 
 A profile is a handful of throughputs. Built-in profiles cover the CPU kinds this project is measured
 on and the common NVIDIA training GPUs (datasheet dense rates); ``hot-compile calibrate-device``
-measures the local machine with micro-benchmarks and caches the result, which then takes precedence
-for that machine.
+(:mod:`hot_compile.device_calibration`) measures the local machine and caches the result here, which
+then takes precedence for that machine.
 """
 
 from __future__ import annotations
@@ -13,16 +13,13 @@ import json
 import os
 import pathlib
 import platform
-import statistics
-import time
-from typing import Callable
 
 import torch
 
-from .ops import int8_gemm_kind, int8_matmul, u8s8_exact, u8s8_linear, u8s8_operand
+from .int8_gemm import u8s8_exact
 from .quant import MAX_BITS, MIN_BITS, qmax
 
-_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +37,7 @@ class DeviceProfile:
             (16 multiply-adds, a hash and a rounding per output).
         kernel_overhead: seconds per kernel or extern call, whatever its size.
         narrow_int8_ops: the rate on operands of at most 7 bits where it differs from ``int8_ops``: on
-            x86 CPUs without VNNI/AMX, oneDNN's uint8 × int8 GEMM (``ops.u8s8_exact``). None: ``int8_ops``.
+            x86 CPUs without VNNI/AMX, oneDNN's uint8 × int8 GEMM (:func:`~hot_compile.runtime.int8_gemm.u8s8_exact`). None: ``int8_ops``.
     """
 
     name: str
@@ -53,7 +50,7 @@ class DeviceProfile:
     narrow_int8_ops: float | None = None
 
     def __post_init__(self) -> None:
-        missing = set(_DTYPES) - set(self.matmul_flops)
+        missing = set(DTYPES) - set(self.matmul_flops)
         if missing:
             raise ValueError(f"DeviceProfile {self.name!r}: matmul_flops lacks {sorted(missing)}")
         numbers = [*self.matmul_flops.values(), self.int8_ops, self.read_bw, self.write_bw, self.transform_rate]
@@ -163,7 +160,7 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -186,7 +183,7 @@ def load_calibrated() -> DeviceProfile | None:
     """The cached calibration of this machine, or None (missing, unreadable, or another machine's)."""
     try:
         data = json.loads(cache_path().read_text())
-        if data.pop("identity", None) != _cpu_identity():
+        if data.pop("identity", None) != cpu_identity():
             return None
         return DeviceProfile(**data)
     except (OSError, ValueError, TypeError):
@@ -219,77 +216,9 @@ def resolve_profile(device: torch.device, name: str = "auto") -> DeviceProfile:
     return BUILTIN_PROFILES["cpu-generic"]
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``repeats`` calls of ``fn``, after one call that is not timed."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def _fitted_transform_rate(profile: DeviceProfile, repeats: int, l: int = 2048, n: int = 1024, k: int = 1024) -> float:
-    """``T`` such that the cost model's HQ estimate equals the measured time of HQ's grad_input op
-    at ``[l, n] @ [n, k]`` with the default numerics: the transforms, scales, hash and quantizers the
-    backend runs, fused as Inductor fuses them, rather than one stand-alone kernel."""
-    from .kernels import hq_grad_input
-    from .hadamard import padded_length
-    from .passes.cost_model import grad_input_cost
-
-    g, w, seed = torch.randn(l, n), torch.randn(n, k), torch.tensor(0)
-    bits = profile.widest_bits_at_narrowest_rate()
-    measured = median_seconds(lambda: hq_grad_input(g, w, seed, bits, bits, True, True, "per_channel"), repeats)
-    padded = padded_length(n)
-    outputs = l * padded + padded * k
-    flops = profile.matmul_rate(torch.float32)
-    rest = grad_input_cost(l, n, k, 4, flops, dataclasses.replace(profile, transform_rate=float("inf")), bits).hot_s
-    # The other terms can exceed a measurement that is mostly transform-bound by noise alone.
-    return outputs / max(measured - rest, measured / 4)
-
-
-def calibrate(size: int = 1024, repeats: int = 15) -> DeviceProfile:
-    """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
-    bandwidths, the per-call overhead, and the transform + quantize rate fitted to the compiled HQ op
-    (see :func:`_fitted_transform_rate`)."""
-    flops = {}
-    for dtype in _DTYPES:
-        a = torch.randn(size, size).to(getattr(torch, dtype))
-        flops[dtype] = 2 * size**3 / median_seconds(lambda a=a: a @ a, repeats)
-    q8 = torch.randint(-127, 128, (size, size), dtype=torch.int8)
-    int8_ops = 2 * size**3 / median_seconds(lambda: int8_matmul(q8, q8, 127, 127), repeats)
-    narrow_int8_ops = None
-    if int8_gemm_kind(torch.device("cpu")) == "u8s8":
-        # The GEMM alone: a compiled op's quantizer writes the shifted uint8 operand itself.
-        q4 = torch.randint(-7, 8, (size, size), dtype=torch.int8)
-        (shifted, zero_point), weight = u8s8_operand(q4, 7), q4.t().contiguous()
-        narrow_int8_ops = 2 * size**3 / median_seconds(lambda: u8s8_linear(shifted, zero_point, weight), repeats)
-
-    big = torch.randn(4096, 4096)
-    read_bw = big.numel() * 4 / median_seconds(lambda: big.sum(), repeats)
-    # A fresh activation-sized (16 MiB) output: a 64 MiB one always comes from mmap and faults on
-    # every page, which the buffers of a compiled step mostly do not.
-    act = torch.randn(2048, 2048)
-    write_bw = act.numel() * 4 / median_seconds(lambda: torch.empty_like(act).fill_(1.0), repeats)
-    tiny = torch.randn(4, 4)
-    kernel_overhead = median_seconds(lambda: tiny.add(1), 50)
-    measured = DeviceProfile(
-        name=f"calibrated:{_cpu_identity().split('|')[0]}",
-        matmul_flops=flops,
-        int8_ops=int8_ops,
-        read_bw=read_bw,
-        write_bw=write_bw,
-        transform_rate=1.0,  # fitted next, from the rates above
-        kernel_overhead=kernel_overhead,
-        narrow_int8_ops=narrow_int8_ops,
-    )
-    return dataclasses.replace(measured, transform_rate=_fitted_transform_rate(measured, repeats))
-
-
 def save_calibrated(profile: DeviceProfile) -> pathlib.Path:
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {**dataclasses.asdict(profile), "identity": _cpu_identity()}
+    data = {**dataclasses.asdict(profile), "identity": cpu_identity()}
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
     return path

@@ -1,6 +1,6 @@
-"""HOT's transforms and quantizers on the CPU as fused native loops (``cpu_native.cpp``).
+"""HOT's transforms and quantizers on the CPU as fused native loops (``cpu_quantize.cpp``, ``cpu_gemm.cpp``).
 
-Compiled by Inductor, the aten composites of :mod:`hot_compile.ops` spent most of a CPU backward
+Compiled by Inductor, the aten composites of :mod:`hot_compile.runtime.aten_impl` spent most of a CPU backward
 outside the integer GEMM (the MLP block under bf16 autocast, Zen 4: 300 ms of 480, against 162 ms in
 ``torch._int_mm``): each Hadamard transform was an extern matmul into a fresh float32 buffer, each
 per-slice scale a second pass over it, and each dequantize a pass over a fresh int32 product. Here:
@@ -13,8 +13,8 @@ per-slice scale a second pass over it, and each dequantize a pass over a fresh i
 * :func:`matmul_dequantized` runs the integer GEMM in row chunks and scales each chunk's int32
   product into the output dtype, so no product-sized int32 buffer is ever allocated.
 
-The numerics are those of :mod:`hot_compile.ops` (same transforms, scales, hash noise and
-rounding; only the order of float additions differs), as ``tests/test_cpu_native.py`` checks. The
+The numerics are those of :mod:`hot_compile.runtime.aten_impl` (same transforms, scales, hash noise and
+rounding; only the order of float additions differs), as ``tests/test_cpu_kernels.py`` checks. The
 library is built once per machine by Inductor's C++ toolchain and cached with its kernels.
 """
 
@@ -30,7 +30,8 @@ import torch
 
 from .quant import guard_scale, qmax
 
-_SOURCE = pathlib.Path(__file__).with_suffix(".cpp")
+# One translation unit, in this order.
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp"))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Rows of one integer GEMM chunk: its int32 product stays within a few MiB that the allocator reuses.
 CHUNK_BYTES = 4 << 20
@@ -53,7 +54,7 @@ _build_lock = threading.Lock()
 def _load() -> ctypes.CDLL:
     from torch._inductor.codecache import CppCodeCache
 
-    library = CppCodeCache.load(_SOURCE.read_text(), device_type="cpu")
+    library = CppCodeCache.load("\n".join(p.read_text() for p in _SOURCES), device_type="cpu")
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None
@@ -193,7 +194,7 @@ def matmul_dequantized(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``matmul(a, b) · row_scale · col_scale / divisor (+ bias)`` in ``out_dtype``: ``a: [M, K]``,
-    ``b: [K, N]`` int8, ``matmul`` their exact int32 product (:func:`hot_compile.ops.int8_matmul`),
+    ``b: [K, N]`` int8, ``matmul`` their exact int32 product (:func:`hot_compile.runtime.int8_gemm.int8_matmul`),
     ``row_scale`` ``[M]``-sized or one value, ``col_scale`` ``[N]``-sized or one value (float32,
     contiguous), ``bias`` ``[N]`` of any float dtype."""
     lib = _library()

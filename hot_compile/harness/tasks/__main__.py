@@ -1,4 +1,4 @@
-"""``python -m hot_compile.tasks TASK``: train a task with inductor fp32 and hot side by side and print
+"""``python -m hot_compile.harness.tasks TASK``: train a task with inductor fp32 and hot side by side and print
 the comparison (the numbers in BENCHMARKS.md). ``ablation`` runs task 1 with each part of HOT alone;
 ``gradient-error`` measures one step's gradient error of every task against its sampling noise."""
 
@@ -13,7 +13,7 @@ from . import runner
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hot_compile.tasks", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hot_compile.harness.tasks", description=__doc__)
     parser.add_argument("task", choices=[*runner.TASKS, "ablation", "gradient-error"])
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the task's)")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,15 +1,15 @@
 """HOT's three operations as opaque custom ops, each run by one shape-generic compiled kernel set.
 
 The graph pass inserts ``torch.ops.hot_compile.hq_grad_input``, ``compress_activation`` and
-``hla_grad_weight`` nodes rather than the aten code of :mod:`hot_compile.ops`. Inlined, every rewritten
+``hla_grad_weight`` nodes rather than the aten code of :mod:`hot_compile.runtime.aten_impl`. Inlined, every rewritten
 site brought its own transform, hash and quantizer kernels for Inductor to schedule, generate and
 compile in C++, per layer shape: a ViT stack compiled five times slower than under plain Inductor.
-Here a site adds one extern call to the model's graph. The implementation, :mod:`hot_compile.ops`
+Here a site adds one extern call to the model's graph. The implementation, :mod:`hot_compile.runtime.aten_impl`
 compiled by Inductor with dynamic shapes, is built once per process and configuration (later
 processes find it in Inductor's FX graph cache) and serves every site, layer shape and model.
 
 On the CPU each op has its own kernel (``register_kernel("cpu")``) on the fused native loops of
-:mod:`hot_compile.cpu_native` and the integer GEMM of :func:`hot_compile.ops.int8_matmul`, with the
+:mod:`hot_compile.runtime.cpu_kernels` and the integer GEMM of :func:`hot_compile.runtime.int8_gemm.int8_matmul`, with the
 same numerics: there Inductor's code for the composites spent more time than the GEMM. The
 shape-generic compile serves the other devices.
 
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch._dynamo.utils import counters
 
-from . import cpu_native, ops
+from . import aten_impl, cpu_kernels, int8_gemm
 from .hadamard import BLOCK, hadamard_matrix, lowpass_rows, padded_length, tail_basis, walsh_basis
 from .quant import guard_scale, noise_offset, qmax, sawb_clip_of_moments
 
@@ -37,6 +37,21 @@ _KERNEL_INDUCTOR_OPTIONS = {"joint_custom_pre_pass": None, "joint_custom_post_pa
 
 _build_seconds = 0.0
 _SPECIALIZE_SETTINGS = torch._dynamo.config.patch(specialize_int=True)
+
+
+@torch.library.custom_op(
+    "hot_compile::draw_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def draw_seed(like: torch.Tensor) -> torch.Tensor:
+    """A fresh int64 seed from the default generator of ``like``'s device (reproducible under
+    ``torch.manual_seed``). ``like`` only places the op: in a joint graph it sits in the backward."""
+    return torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=like.device)
+
+
+@draw_seed.register_fake
+def _draw_seed_fake(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((), dtype=torch.int64)
+
 
 
 @functools.cache
@@ -77,7 +92,7 @@ def build_seconds() -> float:
     """Seconds this process has spent building the kernels of HOT's ops (the first call of each
     configuration, whole, and the CPU library): the part of a first training step that is not the
     model's compile."""
-    return _build_seconds + cpu_native.build_seconds
+    return _build_seconds + cpu_kernels.build_seconds
 
 
 def compiled_hq_grad_input(
@@ -90,9 +105,9 @@ def compiled_hq_grad_input(
     hadamard: bool,
     weight_quantizer: str,
 ) -> Tensor:
-    """:func:`hot_compile.ops.hq_grad_input` by the shape-generic compile: ``[..., N] × [N, K] → [..., K]``."""
+    """:func:`hot_compile.runtime.aten_impl.hq_grad_input` by the shape-generic compile: ``[..., N] × [N, K] → [..., K]``."""
     return _run(
-        ops.hq_grad_input,
+        aten_impl.hq_grad_input,
         grad_output,
         weight,
         seed,
@@ -124,10 +139,10 @@ def _tail_basis(t: Tensor, rank: int) -> Tensor:
 
 
 def compiled_compress_activation(x: Tensor, rank: int, bits: int, per_channel: bool) -> tuple[Tensor, Tensor]:
-    """:func:`hot_compile.ops.compress_activation` by the shape-generic compile: ``[..., K] →
+    """:func:`hot_compile.runtime.aten_impl.compress_activation` by the shape-generic compile: ``[..., K] →
     ([⌊r·L/16⌋ at most, K] int8, scale [1, K] or 0-d)``."""
     tail = _tail_basis(x, rank)
-    x_q, scale = _run(ops.compress_activation, x, tail, rank=rank, bits=bits, per_channel=per_channel)
+    x_q, scale = _run(aten_impl.compress_activation, x, tail, rank=rank, bits=bits, per_channel=per_channel)
     return x_q.contiguous(), scale.contiguous()
 
 
@@ -153,11 +168,11 @@ def compiled_hla_grad_weight(
     per_channel: bool,
     out_dtype: torch.dtype,
 ) -> Tensor:
-    """:func:`hot_compile.ops.hla_grad_weight` by the shape-generic compile: ``[..., N]`` and the ABC buffer
+    """:func:`hot_compile.runtime.aten_impl.hla_grad_weight` by the shape-generic compile: ``[..., N]`` and the ABC buffer
     → ``[N, K]``."""
     tail = _tail_basis(grad_output, rank)
     return _run(
-        ops.hla_grad_weight,
+        aten_impl.hla_grad_weight,
         grad_output,
         x_q,
         x_scale,
@@ -179,9 +194,9 @@ def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
 
 
 def compiled_int8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], bits: int) -> Tensor:
-    """:func:`hot_compile.ops.int8_linear` by the shape-generic compile: ``[..., K] × [N, K] → [..., N]``."""
+    """:func:`hot_compile.runtime.aten_impl.int8_linear` by the shape-generic compile: ``[..., K] × [N, K] → [..., N]``."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
-    return _run(ops.int8_linear, *tensors, bits=bits).contiguous()
+    return _run(aten_impl.int8_linear, *tensors, bits=bits).contiguous()
 
 
 int8_linear = torch.library.custom_op("hot_compile::int8_linear", compiled_int8_linear, mutates_args=())
@@ -197,14 +212,14 @@ def _(x, weight, bias, bits):
 
 def prepare(device: torch.device) -> None:
     """Start building what the ops need on ``device`` ahead of their first call: on the CPU, the
-    library of :mod:`hot_compile.cpu_native` (in the background)."""
+    library of :mod:`hot_compile.runtime.cpu_kernels` (in the background)."""
     if device.type == "cpu":
-        cpu_native.prepare()
+        cpu_kernels.prepare()
 
 
 @functools.cache
 def _basis(kind: str, rank: int = BLOCK) -> Tensor:
-    """A ``[rank, 16]`` float32 basis of :func:`cpu_native.quantize_columns`."""
+    """A ``[rank, 16]`` float32 basis of :func:`cpu_kernels.quantize_columns`."""
     if kind == "hadamard":
         return hadamard_matrix()
     if kind == "identity":
@@ -213,30 +228,30 @@ def _basis(kind: str, rank: int = BLOCK) -> Tensor:
 
 
 def _integer_product(a_bits: int, b_bits: int) -> Callable[[Tensor, Tensor], Tensor]:
-    return functools.partial(ops.int8_matmul, a_max=qmax(a_bits), b_max=qmax(b_bits))
+    return functools.partial(int8_gemm.int8_matmul, a_max=qmax(a_bits), b_max=qmax(b_bits))
 
 
 def _quantize_by_columns(
     x2: Tensor, basis: Tensor, tail: Tensor | None, rows: int, bits: int, *, per_column: bool, stochastic: bool, offset: int = 0
 ) -> tuple[Tensor, Tensor]:
-    """``x2`` transformed along its rows (:func:`cpu_native.quantize_columns`) and quantized at its max
+    """``x2`` transformed along its rows (:func:`cpu_kernels.quantize_columns`) and quantized at its max
     scale, one per column or one in all."""
-    amax = cpu_native.column_amax(x2, basis, tail, rows)
+    amax = cpu_kernels.column_amax(x2, basis, tail, rows)
     scale = guard_scale((amax if per_column else amax.amax()) / qmax(bits))
-    return cpu_native.quantize_columns(x2, basis, tail, rows, bits, scale, stochastic=stochastic, offset=offset), scale
+    return cpu_kernels.quantize_columns(x2, basis, tail, rows, bits, scale, stochastic=stochastic, offset=offset), scale
 
 
 def _quantize_weight(weight: Tensor, width: int, bits: int, quantizer: str, hadamard: bool, seed: Tensor):
-    """HQ's ``q(BW)`` (``[width, K]``) and its scale: :func:`hot_compile.ops.hq_grad_input`'s weight side."""
+    """HQ's ``q(BW)`` (``[width, K]``) and its scale: :func:`hot_compile.runtime.aten_impl.hq_grad_input`'s weight side."""
     basis = _basis("hadamard" if hadamard else "identity")
-    offset = noise_offset(seed, ops.SALT_WEIGHT)
+    offset = noise_offset(seed, aten_impl.SALT_WEIGHT)
     if quantizer != "sawb":
         per_column = quantizer == "per_channel"
         return _quantize_by_columns(weight, basis, basis, width, bits, per_column=per_column, stochastic=True, offset=offset)
-    amax, abs_sum, square_sum = cpu_native.column_moments(weight, basis, basis, width)
+    amax, abs_sum, square_sum = cpu_kernels.column_moments(weight, basis, basis, width)
     count = width * weight.shape[1]
     scale = guard_scale(sawb_clip_of_moments(square_sum.sum() / count, abs_sum.sum() / count, amax.amax()) / qmax(bits))
-    return cpu_native.quantize_columns(weight, basis, basis, width, bits, scale, stochastic=False), scale
+    return cpu_kernels.quantize_columns(weight, basis, basis, width, bits, scale, stochastic=False), scale
 
 
 @hq_grad_input.register_kernel("cpu")
@@ -244,11 +259,11 @@ def _(grad_output, weight, seed, grad_bits, weight_bits, per_token, hadamard, we
     n, k = weight.shape
     g2 = grad_output.reshape(-1, n)
     width = padded_length(n) if hadamard else n
-    offset = noise_offset(seed, ops.SALT_GRAD_INPUT)
-    qg, sg = cpu_native.quantize_rows(g2, grad_bits, width=width, hadamard=hadamard, per_row=per_token, offset=offset)
+    offset = noise_offset(seed, aten_impl.SALT_GRAD_INPUT)
+    qg, sg = cpu_kernels.quantize_rows(g2, grad_bits, width=width, hadamard=hadamard, per_row=per_token, offset=offset)
     qw, sw = _quantize_weight(weight, width, weight_bits, weight_quantizer, hadamard, seed)
     product = _integer_product(grad_bits, weight_bits)
-    out = cpu_native.matmul_dequantized(qg, qw, sg, sw, BLOCK if hadamard else 1, grad_output.dtype, product)
+    out = cpu_kernels.matmul_dequantized(qg, qw, sg, sw, BLOCK if hadamard else 1, grad_output.dtype, product)
     return out.view(*grad_output.shape[:-1], k)
 
 
@@ -268,12 +283,12 @@ def _(x, rank, bits, per_channel):
 @hla_grad_weight.register_kernel("cpu")
 def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
     g2, tail, rows = _lowpass_columns(grad_output, rank)
-    offset = noise_offset(seed, ops.SALT_GRAD_WEIGHT)
+    offset = noise_offset(seed, aten_impl.SALT_GRAD_WEIGHT)
     basis = _basis("walsh", rank)
     qg, scale = _quantize_by_columns(g2, basis, tail, rows, bits, per_column=per_channel, stochastic=True, offset=offset)
     # grad_W = q(P g)ᵀ q(P x): the rows of the product are g's channels, scaled by g's scales.
     product = _integer_product(bits, bits)
-    return cpu_native.matmul_dequantized(qg.t(), x_q, scale, x_scale.contiguous(), BLOCK, out_dtype, product)
+    return cpu_kernels.matmul_dequantized(qg.t(), x_q, scale, x_scale.contiguous(), BLOCK, out_dtype, product)
 
 
 @int8_linear.register_kernel("cpu")
@@ -281,8 +296,8 @@ def _(x, weight, bias, bits):
     n, k = weight.shape
     width = padded_length(k)
     rows = dict(bits=bits, width=width, hadamard=True, per_row=True, stochastic=False)
-    qx, sx = cpu_native.quantize_rows(x.reshape(-1, k), **rows)
-    qw, sw = cpu_native.quantize_rows(weight, **rows)
+    qx, sx = cpu_kernels.quantize_rows(x.reshape(-1, k), **rows)
+    qw, sw = cpu_kernels.quantize_rows(weight, **rows)
     product = _integer_product(bits, bits)
-    out = cpu_native.matmul_dequantized(qx, qw.t(), sx, sw, BLOCK, x.dtype, product, bias=bias)
+    out = cpu_kernels.matmul_dequantized(qx, qw.t(), sx, sw, BLOCK, x.dtype, product, bias=bias)
     return out.view(*x.shape[:-1], n)

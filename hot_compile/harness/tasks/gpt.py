@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .common import Batch, Schedule
-from .layers import Block, init_weights
+from ..models import Block, init_weights
 
 VOCAB = 256  # bytes
 EVAL_FRACTION = 0.1

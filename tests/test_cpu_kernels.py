@@ -1,10 +1,11 @@
-"""The fused CPU loops of :mod:`hot_compile.cpu_native` against the aten quantizers and transforms they
+"""The fused CPU loops of :mod:`hot_compile.runtime.cpu_kernels` against the aten quantizers and transforms they
 replace. The ops built on them are checked against float64 in ``test_ops.py`` (fixture ``impl``)."""
 
 import pytest
 import torch
 
-from hot_compile import HotConfig, cpu_native, hadamard, kernels, ops, quant
+from hot_compile import HotConfig
+from hot_compile.runtime import aten_impl, cpu_kernels, hadamard, int8_gemm, ops, quant
 from tests import tolerances as tol
 from tests.data import make, rel_err
 from tests.harness import aot_compile
@@ -25,11 +26,11 @@ def _levels_agree(q: torch.Tensor, expected: torch.Tensor) -> bool:
 def test_quantize_rows_is_the_stochastic_quantizer_of_the_block_hadamard(dtype, per_row, bits):
     g = make("lognormal", 97, 72, 0).to(dtype).t().contiguous().t()  # column-major, 72 = 4.5 blocks
     width = hadamard.padded_length(72)
-    offset = quant.noise_offset(SEED, ops.SALT_GRAD_INPUT)
-    q, scale = cpu_native.quantize_rows(g, bits, width=width, hadamard=True, per_row=per_row, offset=offset)
+    offset = quant.noise_offset(SEED, aten_impl.SALT_GRAD_INPUT)
+    q, scale = cpu_kernels.quantize_rows(g, bits, width=width, hadamard=True, per_row=per_row, offset=offset)
     dim = -1 if per_row else None
     expected_q, expected_scale = quant.quantize_stochastic(
-        hadamard.block_hadamard(g.float(), 1), bits, SEED, dim=dim, salt=ops.SALT_GRAD_INPUT
+        hadamard.block_hadamard(g.float(), 1), bits, SEED, dim=dim, salt=aten_impl.SALT_GRAD_INPUT
     )
     assert q.shape == (97, width) and scale.shape == expected_scale.shape
     torch.testing.assert_close(scale, expected_scale, rtol=1e-6, atol=0)
@@ -43,8 +44,8 @@ def test_quantize_columns_is_the_quantizer_of_the_lowpass(rank, tokens):
     tail = hadamard.tail_basis(tokens % 16, rank)
     rows = hadamard.lowpass_rows(tokens, rank)
     projected = hadamard.lowpass(x, rank, tail)
-    amax, abs_sum, square_sum = cpu_native.column_moments(x, hadamard.walsh_basis(rank), tail, rows)
-    assert torch.equal(cpu_native.column_amax(x, hadamard.walsh_basis(rank), tail, rows), amax)
+    amax, abs_sum, square_sum = cpu_kernels.column_moments(x, hadamard.walsh_basis(rank), tail, rows)
+    assert torch.equal(cpu_kernels.column_amax(x, hadamard.walsh_basis(rank), tail, rows), amax)
     torch.testing.assert_close(amax, projected.abs().amax(0), rtol=1e-6, atol=0)
     torch.testing.assert_close(abs_sum, projected.abs().sum(0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(square_sum, (projected * projected).sum(0), rtol=1e-5, atol=1e-5)
@@ -55,17 +56,17 @@ def test_quantize_columns_is_the_quantizer_of_the_lowpass(rank, tokens):
             else quant.quantize_nearest(projected, 8, dim=0)
         )
         offset = quant.noise_offset(SEED, 3)
-        q = cpu_native.quantize_columns(
+        q = cpu_kernels.quantize_columns(
             x, hadamard.walsh_basis(rank), tail, rows, 8, scale.flatten(), stochastic=stochastic, offset=offset
         )
         assert q.shape == (rows, 40) and _levels_agree(q, expected_q)
 
 
 def test_noise_offset_is_the_hash_of_the_seed_and_salt():
-    """The same noise as :func:`hot_compile.quant.hash_uniform`: a quantizer of a tensor of halves
+    """The same noise as :func:`hot_compile.runtime.quant.hash_uniform`: a quantizer of a tensor of halves
     rounds each element up exactly where its noise is at least one half."""
     v = torch.full((64, 16), 0.5)
-    q = cpu_native.quantize_columns(
+    q = cpu_kernels.quantize_columns(
         v, torch.eye(16), None, 64, 8, torch.ones(16), stochastic=True, offset=quant.noise_offset(SEED, 7)
     )
     assert torch.equal(q.bool(), quant.hash_uniform(v, SEED, salt=7) >= 0.5)
@@ -73,12 +74,12 @@ def test_noise_offset_is_the_hash_of_the_seed_and_salt():
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out_dtype):
-    monkeypatch.setattr(cpu_native, "MIN_CHUNK_ROWS", 16)
-    monkeypatch.setattr(cpu_native, "CHUNK_BYTES", 16 * 4 * 24)  # 16-row chunks of a [.., 24] product
+    monkeypatch.setattr(cpu_kernels, "MIN_CHUNK_ROWS", 16)
+    monkeypatch.setattr(cpu_kernels, "CHUNK_BYTES", 16 * 4 * 24)  # 16-row chunks of a [.., 24] product
     a = torch.randint(-127, 128, (100, 40), dtype=torch.int8)
     b = torch.randint(-127, 128, (40, 24), dtype=torch.int8)
     row_scale, col_scale = torch.rand(100, 1), torch.rand(1, 24)
-    out = cpu_native.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, ops.int8_matmul)
+    out = cpu_kernels.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, int8_gemm.int8_matmul)
     expected = (a.double() @ b.double()) * row_scale.double() * col_scale.double() / 16
     assert out.dtype == out_dtype
     assert rel_err(out, expected) < {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}[out_dtype]
@@ -88,29 +89,29 @@ def test_cpu_ops_run_the_fused_kernels(monkeypatch):
     """On the CPU each op runs its kernels, not the shape-generic compile of the composites."""
     calls = []
     for name in ("quantize_rows", "column_amax", "quantize_columns", "matmul_dequantized"):
-        original = getattr(cpu_native, name)
-        monkeypatch.setattr(cpu_native, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    built = kernels._build_seconds
+        original = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    built = ops._build_seconds
     g, w, x = make("gaussian", 64, 48, 0), make("gaussian", 48, 32, 1), make("gaussian", 64, 32, 2)
-    kernels.hq_grad_input(g, w, SEED, 8, 8, True, True, "per_channel")
+    ops.hq_grad_input(g, w, SEED, 8, 8, True, True, "per_channel")
     assert calls == ["quantize_rows", "column_amax", "quantize_columns", "matmul_dequantized"]
     calls.clear()
-    xq, xs = kernels.compress_activation(x, 16, 8, True)
-    kernels.hla_grad_weight(g, xq, xs, SEED, 16, 8, True, torch.float32)
+    xq, xs = ops.compress_activation(x, 16, 8, True)
+    ops.hla_grad_weight(g, xq, xs, SEED, 16, 8, True, torch.float32)
     assert calls == ["column_amax", "quantize_columns"] * 2 + ["matmul_dequantized"]
-    assert kernels._build_seconds == built
+    assert ops._build_seconds == built
 
 
 def test_unsupported_dtype_is_named():
     with pytest.raises(TypeError, match="float64"):
-        cpu_native.quantize_rows(torch.zeros(4, 16, dtype=torch.float64), 8, width=16, hadamard=True, per_row=True)
+        cpu_kernels.quantize_rows(torch.zeros(4, 16, dtype=torch.float64), 8, width=16, hadamard=True, per_row=True)
 
 
 def test_the_pass_starts_loading_the_cpu_kernels(monkeypatch):
     """The graph pass starts the library's build when it inserts CPU ops, before their first call."""
     devices = []
-    prepare = kernels.prepare
-    monkeypatch.setattr(kernels, "prepare", lambda device: devices.append(device) or prepare(device))
+    prepare = ops.prepare
+    monkeypatch.setattr(ops, "prepare", lambda device: devices.append(device) or prepare(device))
     compiled, graphs = aot_compile(MLP(32, 64, 32), HotConfig(policy="hot", strict=True))
     compiled(torch.randn(2, 16, 32)).sum().backward()
     assert devices == [torch.device("cpu")]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .hadamard import BLOCK
-from .ops import SALT_GRAD_INPUT, SALT_GRAD_WEIGHT, SALT_WEIGHT
-from .quant import SAWB_C1, SAWB_C2, hash_uniform, qmax
+from hot_compile.plan import PAPER_RANK
+from hot_compile.runtime.aten_impl import SALT_GRAD_INPUT, SALT_GRAD_WEIGHT, SALT_WEIGHT
+from hot_compile.runtime.hadamard import BLOCK
+from hot_compile.runtime.quant import SAWB_C1, SAWB_C2, hash_uniform, qmax
 
 F64 = torch.float64
 
@@ -112,7 +113,7 @@ def hla_grad_weight(g, x_q, x_scale, seed, *, rank=16, bits=8, per_channel=True)
     return (qg.T @ x_q.to(F64)) * sg.t() * x_scale.to(F64) / BLOCK
 
 
-def lowpass_product(g, x, rank=8):
+def lowpass_product(g, x, rank=PAPER_RANK):
     """The unquantized HLA target ``(P_L g)ᵀ (P_L x) / 16``."""
     return lowpass(g, rank).T @ lowpass(x, rank) / BLOCK
 

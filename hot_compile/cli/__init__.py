@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, demo, explain
+from ..harness import bench, demo
+from . import explain
 
 
 def _version(_: argparse.Namespace) -> int:
@@ -18,12 +19,13 @@ def _version(_: argparse.Namespace) -> int:
 
 
 def _calibrate_device(args: argparse.Namespace) -> int:
-    from . import devices
+    from ..device_calibration import calibrate_device
+    from ..runtime.devices import save_calibrated
 
-    profile = devices.calibrate(size=args.size, repeats=args.repeats)
+    profile = calibrate_device(size=args.size, repeats=args.repeats)
     print(profile.to_json())
     if not args.no_save:
-        print(f"saved to {devices.save_calibrated(profile)}; the cost model uses it on this machine")
+        print(f"saved to {save_calibrated(profile)}; the cost model uses it on this machine")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Compile time of ``backend="hot"`` against Inductor as a user meets it: each compile in a new process.
 
-HOT's kernels (:mod:`hot_compile.kernels`) are shape-generic: the first model compiled with
+HOT's kernels (:mod:`hot_compile.runtime.ops`) are shape-generic: the first model compiled with
 ``backend="hot"`` on a machine builds them, and every later process finds them in Inductor's FX graph
 cache, whatever its model. So a model's first compile is measured twice per backend:
 
@@ -12,7 +12,7 @@ cache, whatever its model. So a model's first compile is measured twice per back
 Per repeat, six processes: the model under each backend in a new cache, and the primer then the model
 under each backend in another new cache. A process's compile time is its first forward+backward minus
 its median step, after one throwaway compile has paid the process's set-up
-(:func:`hot_compile.bench.run_case` measures the same way, in one process). Ratios are hot / inductor
+(:func:`hot_compile.harness.bench.run_case` measures the same way, in one process). Ratios are hot / inductor
 within a repeat and scenario.
 """
 
@@ -34,7 +34,8 @@ from typing import Any, Callable
 import torch
 from torch._dynamo.utils import counters
 
-from . import bench
+from ..config import POLICIES
+from . import bench, bench_cases, bench_report
 
 SECTION_TITLE = "Compile time across processes"
 # The primer is an MLP block at bench's default width with 16 × 196 tokens: float32 like the models,
@@ -57,8 +58,8 @@ class CompileBenchSpec:
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r}: accepted are {MODELS}")
-        if self.hot_policy not in bench.POLICIES:
-            raise ValueError(f"hot_policy={self.hot_policy!r}: accepted are {bench.POLICIES}")
+        if self.hot_policy not in POLICIES:
+            raise ValueError(f"hot_policy={self.hot_policy!r}: accepted are {POLICIES}")
         if self.repeats < 1 or self.steps < 1:
             raise ValueError(f"repeats and steps must be ≥ 1, got {self.repeats} and {self.steps}")
 
@@ -68,13 +69,13 @@ def measure(variant: str, model: str, batch: int | None, steps: int, hot_policy:
     seconds (first step minus the median of ``steps`` more), the part of them building or loading
     HOT's kernels, and how many graphs the first step found in Inductor's FX graph cache and how many
     it compiled."""
-    spec = bench.BenchSpec(models=(model,), variants=(variant,), fresh_cache=False, hot_policy=hot_policy,
+    spec = bench_cases.BenchSpec(models=(model,), variants=(variant,), fresh_cache=False, hot_policy=hot_policy,
                            **({"batch": batch} if batch else {}))  # fmt: skip
-    case = bench.build_case(model, spec)
+    case = bench_cases.build_case(model, spec)
     if isinstance(case, str):
         raise RuntimeError(f"{model}: {case}")
     bench.initialize_compiler()
-    runner = bench.Runner(variant, case, fresh_cache=False, hot_policy=hot_policy)
+    runner = bench_cases.Runner(variant, case, fresh_cache=False, hot_policy=hot_policy)
     cache = counters["inductor"]
     hits, misses = cache["fxgraph_cache_hit"], cache["fxgraph_cache_miss"]
     runner.first_step()
@@ -102,7 +103,7 @@ def child_process(spec: CompileBenchSpec) -> ChildRunner:
         if spec.threads:
             env["OMP_NUM_THREADS"] = str(spec.threads)
         done = subprocess.run(
-            [sys.executable, "-m", "hot_compile.compile_bench", "--child", json.dumps(request)],
+            [sys.executable, "-m", "hot_compile.harness.compile_bench", "--child", json.dumps(request)],
             env=env, capture_output=True, text=True,
         )  # fmt: skip
         if done.returncode:
@@ -161,7 +162,7 @@ def _cache_use(figures: dict[str, Any]) -> str:
 
 def markdown(result: dict[str, Any], command: str | None = None) -> str:
     lines = [
-        bench.machine_line(result["machine"]) + f" Run {result['date']}" + (f": `{command}`" if command else "") + ".",
+        bench_report.machine_line(result["machine"]) + f" Run {result['date']}" + (f": `{command}`" if command else "") + ".",
         "",
         f"Model: {result['spec']['model']} (bench.py's sizes); hot: `policy={result['spec']['hot_policy']!r}`. "
         f"Primer: {result['primer']['model']}, batch {result['primer']['batch']}, under the same backend "
@@ -194,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=defaults.repeats, help="rounds of the six processes")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="steps after the first, for the median step")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the processes")
-    parser.add_argument("--hot-policy", choices=bench.POLICIES, default=defaults.hot_policy)
+    parser.add_argument("--hot-policy", choices=POLICIES, default=defaults.hot_policy)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("compile_time_out"), help="folder for compile_time.json/.md")
     parser.add_argument("--benchmarks-md", type=pathlib.Path, default=None, help=f"also rewrite the '{SECTION_TITLE}' section of this file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "compile_time.md").write_text(body)
     print(body)
     if args.benchmarks_md is not None:
-        bench.update_section(args.benchmarks_md, SECTION_TITLE, body)
+        bench_report.update_section(args.benchmarks_md, SECTION_TITLE, body)
     return 0
 
 

@@ -30,9 +30,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from . import inspection
-from .backend import backend
-from .config import split_options
+from ..backend import backend
+from ..config import split_options
+from ..observability import inspection
 
 USAGE_ERROR = 2  # argparse's status for a bad command line; a bad TARGET is one
 

@@ -1,0 +1,81 @@
+"""``hot-compile calibrate-device``: this machine's rates for the cost model, measured by
+micro-benchmarks and cached where :func:`hot_compile.runtime.devices.load_calibrated` finds them."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .passes.cost_model import grad_input_cost
+from .runtime.devices import DTYPES, DeviceProfile, cpu_identity
+from .runtime.hadamard import padded_length
+from .runtime.int8_gemm import int8_gemm_kind, int8_matmul, u8s8_linear, u8s8_operand
+from .runtime.ops import hq_grad_input
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn``, after one call that is not timed."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _fitted_transform_rate(profile: DeviceProfile, repeats: int, l: int = 2048, n: int = 1024, k: int = 1024) -> float:
+    """``T`` such that the cost model's HQ estimate equals the measured time of HQ's grad_input op
+    at ``[l, n] @ [n, k]`` with the default numerics: the transforms, scales, hash and quantizers the
+    backend runs, fused as Inductor fuses them, rather than one stand-alone kernel."""
+    g, w, seed = torch.randn(l, n), torch.randn(n, k), torch.tensor(0)
+    bits = profile.widest_bits_at_narrowest_rate()
+    measured = median_seconds(lambda: hq_grad_input(g, w, seed, bits, bits, True, True, "per_channel"), repeats)
+    padded = padded_length(n)
+    outputs = l * padded + padded * k
+    flops = profile.matmul_rate(torch.float32)
+    rest = grad_input_cost(l, n, k, 4, flops, dataclasses.replace(profile, transform_rate=float("inf")), bits).hot_s
+    # The other terms can exceed a measurement that is mostly transform-bound by noise alone.
+    return outputs / max(measured - rest, measured / 4)
+
+
+def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
+    """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
+    bandwidths, the per-call overhead, and the transform + quantize rate fitted to the compiled HQ op
+    (see :func:`_fitted_transform_rate`)."""
+    flops = {}
+    for dtype in DTYPES:
+        a = torch.randn(size, size).to(getattr(torch, dtype))
+        flops[dtype] = 2 * size**3 / median_seconds(lambda a=a: a @ a, repeats)
+    q8 = torch.randint(-127, 128, (size, size), dtype=torch.int8)
+    int8_ops = 2 * size**3 / median_seconds(lambda: int8_matmul(q8, q8, 127, 127), repeats)
+    narrow_int8_ops = None
+    if int8_gemm_kind(torch.device("cpu")) == "u8s8":
+        # The GEMM alone: a compiled op's quantizer writes the shifted uint8 operand itself.
+        q4 = torch.randint(-7, 8, (size, size), dtype=torch.int8)
+        (shifted, zero_point), weight = u8s8_operand(q4, 7), q4.t().contiguous()
+        narrow_int8_ops = 2 * size**3 / median_seconds(lambda: u8s8_linear(shifted, zero_point, weight), repeats)
+
+    big = torch.randn(4096, 4096)
+    read_bw = big.numel() * 4 / median_seconds(lambda: big.sum(), repeats)
+    # A fresh activation-sized (16 MiB) output: a 64 MiB one always comes from mmap and faults on
+    # every page, which the buffers of a compiled step mostly do not.
+    act = torch.randn(2048, 2048)
+    write_bw = act.numel() * 4 / median_seconds(lambda: torch.empty_like(act).fill_(1.0), repeats)
+    tiny = torch.randn(4, 4)
+    kernel_overhead = median_seconds(lambda: tiny.add(1), 50)
+    measured = DeviceProfile(
+        name=f"calibrated:{cpu_identity().split('|')[0]}",
+        matmul_flops=flops,
+        int8_ops=int8_ops,
+        read_bw=read_bw,
+        write_bw=write_bw,
+        transform_rate=1.0,  # fitted next, from the rates above
+        kernel_overhead=kernel_overhead,
+        narrow_int8_ops=narrow_int8_ops,
+    )
+    return dataclasses.replace(measured, transform_rate=_fitted_transform_rate(measured, repeats))

@@ -1,0 +1,97 @@
+"""The HOT pass as Inductor runs it: a ``CustomGraphPass`` for ``joint_custom_post_pass``.
+
+:func:`hot_compile.passes.run_hot_pass` rewrites the graph. This wrapper adds what a user sees around
+it: the report of the last compiled graph, the dumps and logs asked for, and the cache key. A failure
+inside the pass leaves the graph exactly as it was (every inserted node is removed before anything is
+rewired) and warns once; ``HotConfig(strict=True)`` raises instead.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import warnings
+
+import torch
+import torch.fx as fx
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from . import config as config_module, passes, plan as plan_module, runtime
+from .config import HotConfig
+from .observability import inspection
+from .observability.report import publish
+from .passes import run_hot_pass
+from .runtime.devices import load_calibrated, resolve_profile
+
+__all__ = ["GRAPH_SHAPING_SOURCES", "HotJointPass", "HotPassWarning", "joint_pass"]
+
+
+class HotPassWarning(UserWarning):
+    """The HOT pass could not rewrite a graph; it was compiled unchanged."""
+
+
+def _files(module, *patterns: str) -> tuple[pathlib.Path, ...]:
+    path = pathlib.Path(module.__file__)
+    if path.name != "__init__.py":
+        return (path,)
+    return tuple(p for pattern in patterns for p in sorted(path.parent.glob(pattern)))
+
+
+# What decides a rewritten graph, and so the cache key: the pass, the ops it inserts (their Python and
+# C++ sources) and the config. The API around them, the observability and the harness are not in it,
+# so editing a benchmark never invalidates a user's compiled graphs.
+GRAPH_SHAPING_SOURCES: tuple[pathlib.Path, ...] = (
+    *_files(passes, "*.py"),
+    *_files(runtime, "*.py", "*.cpp"),
+    *_files(config_module),
+    *_files(plan_module),
+)
+
+
+class HotJointPass(CustomGraphPass):
+    """Inductor joint-graph pass applying HOT under a fixed :class:`HotConfig`."""
+
+    def __init__(self, config: HotConfig | None = None):
+        self.config = config or HotConfig()
+
+    def __call__(self, graph: fx.Graph) -> None:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        inspected = inspection.JointGraphInspection(graph, self.config, compile_id)
+        name = inspected.name
+        try:
+            report = run_hot_pass(graph, self.config, name)
+        except Exception as exc:
+            inspected.finish(graph, error=exc)
+            if self.config.strict:
+                raise
+            counters["hot"]["graphs_failed"] += 1
+            warnings.warn(
+                f"hot_compile: the HOT pass failed on graph {name} and left it unchanged "
+                f"({type(exc).__name__}: {exc})",
+                HotPassWarning,
+                stacklevel=2,
+            )
+            return
+        publish(report)
+        inspected.finish(graph, report)
+
+    def uuid(self) -> bytes | None:
+        # A cache hit skips the pass, and with it the dump or log someone asked for: no uuid makes
+        # Inductor bypass the FX-graph and AOTAutograd caches while the pass is being inspected.
+        if inspection.inspection_requested(self.config):
+            return None
+        # The FX-graph and AOTAutograd caches key on this: it must change with the pass's code and
+        # every setting, or a cache hit would skip the pass (or replay another config's rewrite);
+        # decisions also depend on the device profile: this machine's calibration, if any, or the
+        # built-in profile its CPU's features select.
+        calibrated = load_calibrated()
+        extra = (
+            f"{self.config!r}|{torch.__version__}|{calibrated.to_json() if calibrated else ''}"
+            f"|{resolve_profile(torch.device('cpu')).name}"
+        )
+        return get_hash_for_files(tuple(str(p) for p in GRAPH_SHAPING_SOURCES), extra=extra)
+
+
+def joint_pass(config: HotConfig | None = None) -> HotJointPass:
+    """The HOT pass for ``torch._inductor.config.joint_custom_post_pass``."""
+    return HotJointPass(config)

@@ -1,0 +1,191 @@
+// HOT's transforms and quantizers for CPUs, fused so that each reads its operand once per pass: the
+// primitives (element types, the hash, rounding, the 16-point Hadamard transform). cpu_kernels.cpp
+// follows this file in one translation unit.
+//
+// Built at first use by Inductor's C++ toolchain (the flags and vector ISA of its own CPU kernels)
+// and cached on disk with its kernels; called through ctypes from hot_compile/runtime/cpu_kernels.py,
+// which documents each function. The arithmetic is that of hot_compile/runtime/aten_impl.py: the same block
+// transforms, scales, hash noise (hot_compile/runtime/quant.py) and rounding; only the order of float
+// additions inside a transform differs.
+
+// Inductor's flags turn the loop vectorizer off (its kernels vectorize by hand); these loops rely on it.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("tree-loop-vectorize")
+#endif
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BLOCK = 16;
+// Columns per tile of the column transforms: four AVX-512 registers per transformed row.
+constexpr int64_t TILE = 64;
+
+// Element types, as hot_compile/runtime/cpu_kernels.py numbers them.
+enum : int64_t { FLOAT32 = 0, BFLOAT16 = 1, FLOAT16 = 2 };
+
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float to_float(float v) { return v; }
+inline float to_float(BFloat16 v) {
+  uint32_t word = uint32_t(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &word, sizeof f);
+  return f;
+}
+inline float to_float(_Float16 v) { return float(v); }
+
+inline void store(float v, float* out) { *out = v; }
+inline void store(float v, BFloat16* out) {
+  uint32_t word;
+  std::memcpy(&word, &v, sizeof word);
+  if ((word & 0x7fffffffu) > 0x7f800000u) {
+    out->bits = uint16_t((word >> 16) | 0x40u);  // a quiet NaN stays NaN
+  } else {
+    out->bits = uint16_t((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);  // round to nearest even
+  }
+}
+inline void store(float v, _Float16* out) { *out = _Float16(v); }
+
+// 16 lanes as one value: GCC's vector extension lowers each to one AVX-512 register or two AVX2 ones.
+typedef float Float16x __attribute__((vector_size(64)));
+typedef int32_t Int16x __attribute__((vector_size(64)));
+typedef uint32_t UInt16x __attribute__((vector_size(64)));
+typedef int8_t Int8x16 __attribute__((vector_size(16)));
+
+// hot_compile/runtime/quant.py's hash_uniform: the noise of flat index `index` under `offset`
+// (seed·SEED_MULT + salt·SALT_MULT, mod 2**32).
+template <typename Word>  // uint32_t, or UInt16x for 16 lanes at once
+inline Word mix32(Word h) {
+  h ^= h >> 16;
+  h *= 0x7FEB352Du;
+  h ^= h >> 15;
+  h *= 0x2C1B3C6Du;
+  return h ^ (h >> 16);
+}
+inline float hash_uniform(uint32_t index, uint32_t offset) {
+  return float(mix32(index * 0x85EBCA6Bu + offset) >> 8) * (1.0f / 16777216.0f);
+}
+inline Float16x hash_uniform(UInt16x index, uint32_t offset) {
+  // The top 24 bits convert exactly through int32, which has a vector instruction on AVX2 too.
+  const Int16x top = (Int16x)(mix32(index * 0x85EBCA6Bu + offset) >> 8);
+  return __builtin_convertvector(top, Float16x) * (1.0f / 16777216.0f);
+}
+
+// A NaN wins, so that a NaN or Inf input leaves a non-finite scale.
+inline float max_magnitude(float m, float v) {
+  float a = std::fabs(v);
+  return (a > m || a != a) ? a : m;
+}
+
+// One level: stochastic, sign(v)·floor(|v|/s + u); else round half to even, as torch.round.
+// `inverse` is 1/s.
+template <bool Stochastic>
+inline int8_t level(float v, float inverse, float qmax, uint32_t index, uint32_t offset) {
+  float l;
+  if constexpr (Stochastic) {
+    l = std::floor(std::fabs(v) * inverse + hash_uniform(index, offset));
+    l = v < 0 ? -l : l;
+  } else {
+    l = std::nearbyint(v * inverse);
+  }
+  l = l < qmax ? l : qmax;  // a NaN level (non-finite scale) lands here: its product is NaN anyway
+  l = l > -qmax ? l : -qmax;
+  return int8_t(int32_t(l));
+}
+
+// Quantizes `count` values with `level`: 1/s per value (PerValue) or one for all; noise indices run
+// from `first`. 16 lanes at a time: the compiler leaves the hash's integer words to scalar code otherwise.
+template <bool Stochastic, bool PerValue>
+inline void quantize_span(const float* v, const float* inverse, int64_t count, float qmax, uint32_t first,
+                          uint32_t offset, int8_t* out) {
+  const UInt16x lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Int16x top = Int16x{} + int32_t(qmax), bottom = -top;
+  // Adding and subtracting 1.5·2^23 rounds a float below 2^22 in magnitude half to even.
+  const float round_even = 12582912.0f;
+  int64_t c = 0;
+  for (; c + 16 <= count; c += 16) {
+    Float16x x, inv = Float16x{} + inverse[0];
+    std::memcpy(&x, v + c, sizeof x);
+    if constexpr (PerValue) std::memcpy(&inv, inverse + c, sizeof inv);
+    Int16x l;
+    if constexpr (Stochastic) {
+      const Float16x magnitude = (Float16x)((Int16x)x & 0x7fffffff);
+      const Float16x y = magnitude * inv + hash_uniform(lanes + (first + uint32_t(c)), offset);
+      l = __builtin_convertvector(y, Int16x);  // floor, as y ≥ 0 (a NaN gives some int: see level)
+      l = l < top ? l : top;
+      l = x < 0 ? -l : l;
+    } else {
+      l = __builtin_convertvector((x * inv + round_even) - round_even, Int16x);
+      l = l < top ? l : top;
+    }
+    l = l > bottom ? l : bottom;
+    const Int8x16 q = __builtin_convertvector(l, Int8x16);
+    std::memcpy(out + c, &q, sizeof q);
+  }
+  const int64_t start = c;
+#pragma omp simd
+  for (int64_t i = start; i < count; ++i) {
+    out[i] = level<Stochastic>(v[i], PerValue ? inverse[i] : inverse[0], qmax, first + uint32_t(i), offset);
+  }
+}
+
+template <bool PerValue>
+inline void quantize_span(bool stochastic, const float* v, const float* inverse, int64_t count, float qmax,
+                          uint32_t first, uint32_t offset, int8_t* out) {
+  if (stochastic) {
+    quantize_span<true, PerValue>(v, inverse, count, qmax, first, offset, out);
+  } else {
+    quantize_span<false, PerValue>(v, inverse, count, qmax, first, offset, out);
+  }
+}
+
+// max|v| of `count` values; NaN if any is NaN.
+inline float span_amax(const float* v, int64_t count) {
+  float m = 0.0f;
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t c = 0; c < count; ++c) {
+    const float a = std::fabs(v[c]);
+    m = a > m ? a : m;
+    nan |= a != a;
+  }
+  return nan ? std::nanf("") : m;
+}
+
+// quant.guard_scale(amax / qmax): a zero scale becomes 1, NaN and Inf stay.
+inline float scale_of(float amax, float qmax) {
+  float s = amax / qmax;
+  return s == 0.0f ? 1.0f : s;
+}
+
+
+// One butterfly stage of the Hadamard transform of 16 values held together: lane i becomes
+// x[i] + x[i ^ h] where bit h of i is clear, x[i ^ h] − x[i] where it is set (exact: the ±1 is a sign).
+inline Float16x butterfly(Float16x x, Int16x partner, Float16x sign) { return x * sign + __builtin_shuffle(x, partner); }
+
+// In place: a block of 16 values times the Hadamard matrix, H[i][j] = (-1)^popcount(i & j) (Sylvester
+// order, as hot_compile/runtime/hadamard.py builds it), in 4 stages of a shuffle and an add.
+inline void hadamard16(float* v) {
+  Float16x x;
+  std::memcpy(&x, v, sizeof x);
+  x = butterfly(x, Int16x{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
+                Float16x{1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1});
+  x = butterfly(x, Int16x{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+                Float16x{1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1});
+  x = butterfly(x, Int16x{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+                Float16x{1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1});
+  x = butterfly(x, Int16x{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                Float16x{1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1});
+  std::memcpy(v, &x, sizeof x);
+}
+
+}  // namespace
