@@ -19,12 +19,12 @@ from ..runtime.devices import resolve_profile
 from .cost_model import SiteCost, forward_cost, grad_input_cost, grad_weight_cost
 from .decide import decide, why_not_selected
 from .legality import why_illegal, why_illegal_forward
-from .numerics import describe, resolve_numerics
+from .numerics import describe, gemm_note, resolve_numerics
 from .rewrite_forward import forward_bias, rewrite_forward
 from .report import Report, SiteRow
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
-from .sites import LinearSite, backward_nodes, find_linear_sites, same_value
+from .sites import LinearSite, UnmatchedProduct, backward_nodes, find_linear_sites, find_unmatched_products, same_value
 
 __all__ = ["Report", "SiteRow", "run_hot_pass"]
 
@@ -82,14 +82,14 @@ def _other_backward_readers(graph: fx.Graph, backward: set[fx.Node], x2d: fx.Nod
     )
 
 
-def _plan_and_rewrite(graph: fx.Graph, config: HotConfig) -> list[_Planned]:
+def _plan_and_rewrite(graph: fx.Graph, config: HotConfig, sites: list[LinearSite]) -> list[_Planned]:
     """Decide every site and insert the rewrites; the graph's old matmuls still stand afterwards."""
     created: list[fx.Node] = []
     compressed = CompressedActivations(graph, created)
     profiles: dict = {}
     planned: list[_Planned] = []
     try:
-        for site in find_linear_sites(graph):
+        for site in sites:
             profile = _profile(site, config, profiles)
             site_config = resolve_numerics(config.for_module(site.module_path), profile)
             # A forward is planned where forward_bits asks for it, and only in a training graph: an
@@ -150,8 +150,27 @@ def _row(graph: fx.Graph, backward: set[fx.Node], entry: _Planned, config: HotCo
         saved_bytes_after=after,
         est_original_ms=entry.cost.original_s * 1e3 if entry.cost else None,
         est_hot_ms=entry.cost.hot_s * 1e3 if entry.cost else None,
-        numerics="-" if entry.decision == "kept" else describe(entry.path, entry.config, config, site.module_path),
+        numerics="-" if entry.decision == "kept" else _numerics(entry, config),
     )
+
+
+def _unmatched_row(product: UnmatchedProduct) -> SiteRow:
+    a, b = (arg.meta["val"].shape for arg in product.node.args[:2])
+    return SiteRow(
+        module=product.module_path,
+        path=product.path,
+        shape=f"{_hint(a[0])}×{_hint(a[1])} @ {_hint(b[0])}×{_hint(b[1])}",
+        dtype=str(product.node.meta["val"].dtype).removeprefix("torch."),
+        decision="kept",
+        reason=product.reason,
+    )
+
+
+def _numerics(entry: _Planned, config: HotConfig) -> str:
+    site = entry.site
+    shapes = tuple(_hint(d) for d in site.shapes)
+    note = gemm_note(entry.path, entry.config, shapes, site.x2d.meta["val"].device)
+    return describe(entry.path, entry.config, config, site.module_path) + note
 
 
 def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Report:
@@ -160,7 +179,9 @@ def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Re
     All new nodes are inserted first; only when every rewrite has been built are the old matmuls
     rewired and erased, so an exception leaves the graph as it was.
     """
-    planned = _plan_and_rewrite(graph, config)
+    sites = find_linear_sites(graph)
+    unmatched = find_unmatched_products(graph, sites)  # before the rewrites erase the claimed products
+    planned = _plan_and_rewrite(graph, config, sites)
     rewritten = [p for p in planned if p.decision != "kept"]
     for device in {p.site.x2d.meta["val"].device for p in rewritten}:
         ops.prepare(device)
@@ -172,7 +193,7 @@ def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Re
         old.replace_all_uses_with(entry.replacement)
         graph.erase_node(old)
     backward = backward_nodes(graph)  # once: the rows only read the rewritten graph
-    rows = [_row(graph, backward, entry, config) for entry in planned]
+    rows = [_row(graph, backward, entry, config) for entry in planned] + [_unmatched_row(u) for u in unmatched]
     hot = counters["hot"]
     hot["sites_found"] += len(rows)
     hot["sites_rewritten"] += len(rewritten)

@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..config import AUTO, HotConfig
 from ..runtime.devices import DeviceProfile
+from ..runtime.hadamard import lowpass_rows, padded_length
+from ..runtime.int8_gemm import gemm_path
+from ..runtime.quant import qmax
+
+# What a row says of an integer product that does not run on the hardware's int8 GEMM.
+_GEMM_NOTES = {
+    "int_mm": "",
+    "u8s8": "; GEMM: oneDNN uint8 × int8 (no VNNI/AMX int8 GEMM on this CPU)",
+    "float32": "; GEMM: float32 on the integer values, exact (no int8 GEMM on this device)",
+    "float32 pieces": "; GEMM: float32 on the integer values in exact pieces (no int8 GEMM on this device)",
+}
 
 
 def resolve_numerics(config: HotConfig, profile: DeviceProfile) -> HotConfig:
@@ -38,3 +51,16 @@ def describe(path: str, site: HotConfig, config: HotConfig, module_path: str) ->
     rank = _with_source(f"rank {site.rank}", config.source(module_path, "rank"))
     scales = _with_source(site.gw_quantizer, config.source(module_path, "gw_quantizer"))
     return f"{bits} {rank} {scales}"
+
+
+def gemm_note(path: str, site: HotConfig, shapes: tuple[int, int, int], device: torch.device) -> str:
+    """The integer GEMM a rewritten ``path`` product of an ``(L, N, K)`` linear runs, where it is not the
+    device's int8 one (:func:`~hot_compile.runtime.int8_gemm.gemm_path`): a slower GEMM is never silent."""
+    l, n, k = shapes
+    if path == "fwd":
+        bits, contraction = site.forward_bits, padded_length(k)
+    elif path == "gx":
+        bits, contraction = site.gx_bits, padded_length(n) if site.hadamard else n
+    else:
+        bits, contraction = site.gw_bits, lowpass_rows(l, site.rank)
+    return _GEMM_NOTES[gemm_path(device, contraction, qmax(bits), qmax(bits))]

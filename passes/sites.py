@@ -136,15 +136,25 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return region
 
 
-def _linear_operands(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(x2d, weight [N, K]) of a forward linear, or None if ``node`` is no linear."""
+def _linear_like(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(x2d, weight [N, K]) of a forward product written as a linear is (``x @ Wᵀ``, the ``Wᵀ`` a
+    transpose of a 2-D tensor), whatever ``W`` is; None otherwise."""
     mat1, mat2 = (node.args[1], node.args[2]) if node.target is aten.addmm.default else node.args[:2]
-    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-        return None
     weight, flipped = strip_transposes(mat2)
-    if not flipped or _weight_source(weight).op != "placeholder":
-        return None
-    return mat1, weight
+    return (mat1, weight) if flipped else None
+
+
+def why_not_a_site(node: fx.Node, weight: fx.Node) -> str | None:
+    """Why a linear-like forward product is no site, or None when it is one."""
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return "an addmm with alpha or beta other than 1 is not a linear layer's product"
+    source = _weight_source(weight)
+    if source.op != "placeholder":
+        return (
+            f"the weight is computed in the graph (by {source.name}), not a graph input: a merged "
+            "adapter or a reparametrized weight is not a site"
+        )
+    return None
 
 
 def _from_same_op(mm: fx.Node, site: LinearSite) -> bool:
@@ -229,8 +239,8 @@ def find_linear_sites(graph: fx.Graph) -> list[LinearSite]:
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _LINEAR_OPS or node in backward:
             continue
-        operands = _linear_operands(node)
-        if operands is not None:
+        operands = _linear_like(node)
+        if operands is not None and why_not_a_site(node, operands[1]) is None:
             site = LinearSite(node, operands[0], operands[1], module_path(node))
             site.feeds_cross_entropy = feeds_cross_entropy(node)
             sites.append(site)
@@ -249,3 +259,43 @@ def find_linear_sites(graph: fx.Graph) -> list[LinearSite]:
                 site.grad_weight = use
                 break
     return sites
+
+
+@dataclasses.dataclass
+class UnmatchedProduct:
+    """A backward ``mm`` of a linear-like forward product that the pass does not rewrite because it
+    found no site for it: the forward is no site, or the product matches neither gradient of its site."""
+
+    node: fx.Node
+    module_path: str
+    path: str  # "gx" or "gw", by the product's output shape
+    reason: str
+
+
+def find_unmatched_products(graph: fx.Graph, sites: list[LinearSite]) -> list[UnmatchedProduct]:
+    """Every backward ``mm`` that autograd derived (by ``seq_nr``) from a linear-like forward product
+    and that no site claims, with the reason: no such product goes unreported."""
+    backward = backward_nodes(graph)
+    claimed = {use.node for site in sites for use in (site.grad_input, site.grad_weight) if use is not None}
+    site_of = {site.linear: site for site in sites}
+    forwards: dict[int, tuple[fx.Node, fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _LINEAR_OPS and node not in backward:
+            operands = _linear_like(node)
+            if operands is not None and node.meta.get("seq_nr") is not None:
+                forwards[node.meta["seq_nr"]] = (node, operands[1])
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.mm.default or node not in backward or node in claimed:
+            continue
+        forward = forwards.get(node.meta.get("seq_nr"))
+        if forward is None:
+            continue
+        linear, weight = forward
+        shape, weight_shape = tuple(node.meta["val"].shape), tuple(weight.meta["val"].shape)
+        path = "gw" if shape in (weight_shape, weight_shape[::-1]) else "gx"
+        reason = why_not_a_site(linear, weight) if linear not in site_of else (
+            "matches neither gradient of this linear (g @ W, gᵀ @ x) through transposes and views"
+        )
+        found.append(UnmatchedProduct(node, module_path(linear), path, f"not rewritten: {reason}"))
+    return found

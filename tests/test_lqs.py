@@ -103,6 +103,14 @@ def test_plan_is_deterministic_and_round_trips_through_json(tmp_path):
     assert loaded.quantizer_for("no.such.layer") is None and loaded.settings_for("no.such.layer") == {}
 
 
+def test_calibrate_is_a_deprecated_alias_of_select_quantizers():
+    torch.manual_seed(0)
+    model = MLP()
+    with pytest.warns(DeprecationWarning, match="select_quantizers"):
+        old = hot_compile.calibrate(model, _batches(2), _mean_square)
+    assert old == select_quantizers(model, _batches(2), _mean_square)
+
+
 def test_plan_order_does_not_matter_and_bad_plans_fail(tmp_path):
     a = LayerChoice("b", "per_token", 2.0, 0.5)
     b = LayerChoice("a", "per_tensor", 1.0, 0.9)

@@ -1,10 +1,11 @@
 """How often does the cost model pick the faster variant? A sweep over linear-layer shapes.
 
-For each shape ``(L, K, N)`` (tokens, in_features, out_features) a fresh ``nn.Linear`` is compiled
+For each shape ``(L, N, K)`` (tokens, out_features, in_features: the cost model's order) a fresh ``nn.Linear`` is compiled
 twice in one process — ``backend="inductor"`` and ``backend="hot"`` with ``policy="hot"`` (rewrite
 forced) — and a training step (forward, which holds the ABC compression, plus backward) is timed
-with the variants interleaved. The cost model's prediction for the layer is its two sites summed;
-the choice is right when "HOT is faster" agrees with the measured medians.
+with the variants interleaved. The cost model's prediction for the layer is its sites summed: the
+forward where the default ``forward_bits`` rewrites it, grad_input and grad_weight; the choice is
+right when "HOT is faster" agrees with the measured medians.
 
     python tools/cost_model_sweep.py --out sweep.json           # 36 shapes, this machine's profile
     python tools/cost_model_sweep.py --quick                    # 6 shapes, for a smoke run
@@ -23,21 +24,27 @@ import torch
 import hot_compile
 from hot_compile import HotConfig
 from hot_compile.runtime import devices
-from hot_compile.passes.cost_model import grad_input_cost, grad_weight_cost
+from hot_compile.passes.cost_model import forward_cost, grad_input_cost, grad_weight_cost
 from hot_compile.passes.numerics import resolve_numerics
 
 TOKENS = (64, 512, 2048, 6272)
+# (in_features, out_features)
 FEATURES = ((64, 64), (256, 256), (384, 1536), (768, 768), (768, 3072), (3072, 768), (1024, 4096), (128, 2048), (2048, 128))
 
 
-def predict(l: int, k: int, n: int, profile: devices.DeviceProfile) -> tuple[float, float]:
-    """Estimated seconds (original, HOT) of one linear layer's grad_input + grad_weight, fp32, at the
-    default numerics resolved for ``profile``."""
+def predict(l: int, n: int, k: int, profile: devices.DeviceProfile) -> tuple[float, float]:
+    """Estimated seconds (original, HOT) of one linear layer's step, fp32, at the default numerics
+    resolved for ``profile``: its forward (where ``forward_bits`` rewrites it), grad_input and
+    grad_weight."""
     flops = profile.matmul_rate(torch.float32)
     config = resolve_numerics(HotConfig(), profile)
-    gx = grad_input_cost(l, n, k, 4, flops, profile, config.gx_bits)
-    gw = grad_weight_cost(l, n, k, config.rank, 4, flops, profile, config.gw_bits)
-    return gx.original_s + gw.original_s, gx.hot_s + gw.hot_s
+    sites = [
+        grad_input_cost(l, n, k, 4, flops, profile, config.gx_bits),
+        grad_weight_cost(l, n, k, config.rank, 4, flops, profile, config.gw_bits),
+    ]
+    if config.forward_bits is not None:
+        sites.append(forward_cost(l, n, k, 4, flops, profile, config.forward_bits))
+    return sum(c.original_s for c in sites), sum(c.hot_s for c in sites)
 
 
 def _step_time(compiled, x, grad, repeats: int) -> list[float]:
@@ -50,7 +57,7 @@ def _step_time(compiled, x, grad, repeats: int) -> list[float]:
     return samples
 
 
-def measure(l: int, k: int, n: int, repeats: int) -> tuple[float, float]:
+def measure(l: int, n: int, k: int, repeats: int) -> tuple[float, float]:
     """Median seconds of a training step of ``Linear(k, n)`` on ``[l, k]``: (inductor, hot)."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(k, n)
@@ -79,20 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     profile = devices.resolve_profile(torch.device("cpu"), args.profile)
-    shapes = [(l, k, n) for l, (k, n) in itertools.product(TOKENS, FEATURES)]
+    shapes = [(l, n, k) for l, (k, n) in itertools.product(TOKENS, FEATURES)]
     if args.quick:
         shapes = shapes[::6]
     print(f"profile {profile.name}, torch {torch.__version__}, {torch.get_num_threads()} threads, hot-compile {hot_compile.__version__}")
-    print("| L | K | N | est. orig ms | est. HOT ms | inductor ms | hot ms | measured hot/inductor | model right |")
+    print("| L | N | K | est. orig ms | est. HOT ms | inductor ms | hot ms | measured hot/inductor | model right |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for l, k, n in shapes:
-        est_orig, est_hot = predict(l, k, n, profile)
-        ind, hot = measure(l, k, n, args.repeats)
+    for l, n, k in shapes:
+        est_orig, est_hot = predict(l, n, k, profile)
+        ind, hot = measure(l, n, k, args.repeats)
         right = (est_hot < est_orig) == (hot < ind)
-        rows.append(dict(L=l, K=k, N=n, est_original_ms=est_orig * 1e3, est_hot_ms=est_hot * 1e3,
+        rows.append(dict(L=l, N=n, K=k, est_original_ms=est_orig * 1e3, est_hot_ms=est_hot * 1e3,
                          inductor_ms=ind * 1e3, hot_ms=hot * 1e3, right=right))  # fmt: skip
-        print(f"| {l} | {k} | {n} | {est_orig * 1e3:.3g} | {est_hot * 1e3:.3g} | {ind * 1e3:.3g} | {hot * 1e3:.3g} "
+        print(f"| {l} | {n} | {k} | {est_orig * 1e3:.3g} | {est_hot * 1e3:.3g} | {ind * 1e3:.3g} | {hot * 1e3:.3g} "
               f"| {hot / ind:.2f} | {'yes' if right else 'NO'} |", flush=True)  # fmt: skip
     agreement = sum(r["right"] for r in rows) / len(rows)
     print(f"\ncost model chose the faster variant for {sum(r['right'] for r in rows)}/{len(rows)} shapes ({agreement:.0%})")

@@ -87,34 +87,48 @@ def exact_float32_length(max_product: int = INT8_MAX * INT8_MAX) -> int:
     return FLOAT32_EXACT // max_product
 
 
+def gemm_path(device: torch.device, k, a_max: int = INT8_MAX, b_max: int = INT8_MAX) -> str:
+    """Which product :func:`int8_matmul` runs for a contraction of ``k`` on ``device``, with operands
+    bounded by ``a_max`` and ``b_max``: ``"int_mm"`` (``torch._int_mm``), ``"u8s8"`` (oneDNN's uint8 ×
+    int8 linear), ``"float32"`` (one exact float32 GEMM on the int8 values) or ``"float32 pieces"``
+    (several, summed in int32)."""
+    kind = int8_gemm_kind(device)
+    if kind == "int_mm":
+        return "int_mm"
+    longest = exact_float32_length(a_max * b_max)
+    # Under the shape-generic compile of hot_compile.runtime.ops the length tests are guards: one
+    # kernel per side.
+    if kind == "u8s8" and u8s8_exact(a_max, b_max) and k <= longest:
+        return "u8s8"
+    return "float32" if k <= longest else "float32 pieces"
+
+
 def int8_matmul(a: torch.Tensor, b: torch.Tensor, a_max: int = INT8_MAX, b_max: int = INT8_MAX) -> torch.Tensor:
     """``a @ b`` with int8 operands and an exact int32 result; any strides. ``a_max`` and ``b_max``
     bound the operands' magnitudes (quantizers pass their ``qmax``).
 
-    By :func:`int8_gemm_kind`: ``torch._int_mm``, on a contraction zero-padded to a multiple of 8
-    unless known to be one; oneDNN's uint8 × int8 linear where :func:`u8s8_exact` and the contraction
-    is at most :func:`exact_float32_length` long; elsewhere a float32 matmul on the int8 values, exact
-    at the speed of the float GEMM: in one piece when the contraction is at most
-    :func:`exact_float32_length` long, else in the fewest pieces of equal length within it (padding
-    fewer than one column per piece), each exact, summed in int32.
+    By :func:`gemm_path`: ``torch._int_mm``, on a contraction zero-padded to a multiple of 8 unless
+    known to be one; oneDNN's uint8 × int8 linear where :func:`u8s8_exact` and the contraction is at
+    most :func:`exact_float32_length` long; elsewhere a float32 matmul on the int8 values, exact at the
+    speed of the float GEMM: in one piece when the contraction is at most :func:`exact_float32_length`
+    long, else in the fewest pieces of equal length within it (padding fewer than one column per
+    piece), each exact, summed in int32.
     """
     if a.dtype != torch.int8 or b.dtype != torch.int8:
         raise TypeError(f"int8_matmul takes int8 operands, got {a.dtype} and {b.dtype}")
     k = a.shape[1]
-    kind = int8_gemm_kind(a.device)
-    if kind == "int_mm":
+    path = gemm_path(a.device, k, a_max, b_max)
+    if path == "int_mm":
         # cuBLASLt takes only contractions a multiple of 8, and HLA's need not be one.
         if not statically_known_true(k % 8 == 0):
             a, b = F.pad(a, [0, -k % 8]), F.pad(b, [0, 0, 0, -k % 8])
         return torch._int_mm(a, b)
-    longest = exact_float32_length(a_max * b_max)
-    # Under the shape-generic compile of hot_compile.runtime.ops the length tests are guards: one kernel
-    # per side.
-    if kind == "u8s8" and u8s8_exact(a_max, b_max) and k <= longest:
+    if path == "u8s8":
         shifted, zero_point = u8s8_operand(a, a_max)
         return u8s8_linear(shifted, zero_point, b.t().contiguous()).to(torch.int32)
-    if k <= longest:
+    if path == "float32":
         return torch.mm(a.float(), b.float()).to(torch.int32)
+    longest = exact_float32_length(a_max * b_max)
     pieces = (k + longest - 1) // longest
     piece = (k + pieces - 1) // pieces
     a = F.pad(a, [0, pieces * piece - k]).unflatten(1, (pieces, piece)).transpose(0, 1)  # [pieces, M, piece]
