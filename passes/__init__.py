@@ -156,13 +156,15 @@ def _row(graph: fx.Graph, backward: set[fx.Node], entry: _Planned, config: HotCo
 
 def _unmatched_row(product: UnmatchedProduct) -> SiteRow:
     a, b = (arg.meta["val"].shape for arg in product.node.args[:2])
+    # A site's product that no matcher recognised may not be rewritable at all: that reason comes first.
+    illegal = product.site and why_illegal_forward(product.site, None)
     return SiteRow(
         module=product.module_path,
         path=product.path,
         shape=f"{_hint(a[0])}×{_hint(a[1])} @ {_hint(b[0])}×{_hint(b[1])}",
         dtype=str(product.node.meta["val"].dtype).removeprefix("torch."),
         decision="kept",
-        reason=product.reason,
+        reason=f"not rewritten: {illegal}" if illegal else product.reason,
     )
 
 

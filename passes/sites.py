@@ -270,6 +270,7 @@ class UnmatchedProduct:
     module_path: str
     path: str  # "gx" or "gw", by the product's output shape
     reason: str
+    site: LinearSite | None = None  # the site of its forward product, if that is one
 
 
 def find_unmatched_products(graph: fx.Graph, sites: list[LinearSite]) -> list[UnmatchedProduct]:
@@ -294,8 +295,9 @@ def find_unmatched_products(graph: fx.Graph, sites: list[LinearSite]) -> list[Un
         linear, weight = forward
         shape, weight_shape = tuple(node.meta["val"].shape), tuple(weight.meta["val"].shape)
         path = "gw" if shape in (weight_shape, weight_shape[::-1]) else "gx"
-        reason = why_not_a_site(linear, weight) if linear not in site_of else (
+        site = site_of.get(linear)
+        reason = why_not_a_site(linear, weight) if site is None else (
             "matches neither gradient of this linear (g @ W, gᵀ @ x) through transposes and views"
         )
-        found.append(UnmatchedProduct(node, module_path(linear), path, f"not rewritten: {reason}"))
+        found.append(UnmatchedProduct(node, module_path(linear), path, f"not rewritten: {reason}", site))
     return found

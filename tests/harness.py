@@ -67,3 +67,13 @@ def pin_int8_path(monkeypatch, kind: str) -> None:
     if kind == "u8s8" and not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN's uint8 × int8 linear needs a torch build with oneDNN")
     monkeypatch.setattr(int8_gemm, "int8_gemm_kind", lambda device: kind)
+
+
+def assert_rewritten(report=None) -> None:
+    """The report (the last compiled graph's by default) shows both backward rewrites: HQ on a
+    grad_input and HLA+ABC on a grad_weight."""
+    import hot_compile
+
+    report = report or hot_compile.last_report()
+    assert report is not None and report.select(path="gx", decision="HQ"), report
+    assert report.select(path="gw", decision="HLA+ABC"), report

@@ -101,6 +101,8 @@ def test_policy_off_is_bitwise_inductor():
     off = _grads(model, torch.compile(model, backend="hot", options={"policy": "off"}), x)
     for name in inductor:
         assert torch.equal(inductor[name], off[name]), name
+    rows = hot_compile.last_report().rows  # every product found, and kept by the policy alone
+    assert len(rows) == 12 and all(r.decision == "kept" and r.reason == "policy='off'" for r in rows)  # 4 linears: fwd, gx, gw
 
 
 def _saved_bytes(compiled, x, params):
@@ -208,8 +210,10 @@ def test_joint_pass_inside_an_inductor_pipeline():
 
 def test_inductor_options_pass_through_and_bad_keys_fail():
     model = MLP()
-    compiled = torch.compile(model, backend="hot", options={"rank": 4, "epilogue_fusion": False, "strict": True})
+    compiled = torch.compile(model, backend="hot", options={"rank": 4, "policy": "hot", "epilogue_fusion": False, "strict": True})
     compiled(torch.randn(4, 40, 32)).sum().backward()
+    rewritten = hot_compile.last_report().select(path="gw", decision="HLA+ABC")
+    assert len(rewritten) == 2 and all("rank 4" in r.numerics for r in rewritten)
     with pytest.raises(Exception, match="no_such_key"):
         torch._dynamo.reset()
         torch.compile(MLP(), backend="hot", options={"no_such_key": 1})(torch.randn(2, 32))

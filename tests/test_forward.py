@@ -76,6 +76,7 @@ def test_forward_bits_none_leaves_the_forward_exact():
     graphs, report = _forward_rows(HotConfig(policy="hot", strict=True, forward_bits=None))
     assert report.select(path="fwd") == []
     assert not any(n.target is torch.ops.hot_compile.int8_linear.default for n in graphs.forward.graph.nodes)
+    assert report.select(path="gx", decision="HQ") and report.select(path="gw", decision="HLA+ABC")
 
 
 @pytest.mark.parametrize("forward_bits", ["auto", 8])

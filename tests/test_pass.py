@@ -188,7 +188,8 @@ def test_grad_weight_of_a_single_token_is_kept_at_rank_8():
     """Rank 8 keeps one row per pair of tokens, none of a lone one: HLA would return zeros."""
     _run(MLP(), torch.randn(1, 32, requires_grad=True), STRICT.replace(rank=8))
     assert {r.decision for r in _rows(path="gx")} == {"HQ"}
-    assert all(r.decision == "kept" and "keeps no row of L = 1 tokens" in r.reason for r in _rows(path="gw"))
+    gw = _rows(path="gw")
+    assert len(gw) == 2 and all(r.decision == "kept" and "keeps no row of L = 1 tokens" in r.reason for r in gw)
 
 
 def test_float64_linear_is_kept_with_reason():
@@ -274,13 +275,20 @@ def test_every_integer_gemm_gives_the_same_gradients(monkeypatch):
     """Where ``torch._int_mm`` has no hardware the integer products run on oneDNN's uint8 × int8 GEMM
     or as exact float GEMMs: same integers, so the same gradients bit for bit. At 7 bits, the width
     the defaults take on such CPUs, grad_input runs on the uint8 × int8 GEMM."""
+    from hot_compile.runtime import int8_gemm
+
+    u8s8_calls = []
+    u8s8_linear = int8_gemm.u8s8_linear
+    monkeypatch.setattr(int8_gemm, "u8s8_linear", lambda *args: u8s8_calls.append(1) or u8s8_linear(*args))
     grads = {}
     for kind in ("int_mm", "u8s8", "float"):
         pin_int8_path(monkeypatch, kind)
         torch.manual_seed(0)
         model, x = MLP(), torch.randn(4, 50, 32, requires_grad=True)
         _run(model, x, STRICT.replace(gx_bits=7))
+        assert len(_rows("gx", "HQ")) == 2
         grads[kind] = [x.grad, *(p.grad for p in model.parameters())]
+        assert bool(u8s8_calls) == (kind != "int_mm")  # HQ's 7-bit products on the u8s8 GEMM from then on
     assert all(torch.equal(a, b) for a, b in zip(grads["int_mm"], grads["u8s8"]))
     assert all(torch.equal(a, b) for a, b in zip(grads["int_mm"], grads["float"]))
 

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -153,7 +154,9 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "held-out loss: inductor fp32" in out and "step time" in out and "activations saved" in out
     # The demo runs the true defaults: the balanced policy keeps what the cost model finds too slow.
-    assert "HOT report" in out and "linear products rewritten (forward and backward):" in out
+    # The report covers every linear product of the tiny GPT (1 layer of 4 linears and the head,
+    # forward and backward), whatever the policy decided for each.
+    assert "HOT report" in out and re.search(r"linear products rewritten \(forward and backward\): \d+ of 15 ", out)
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["variant"] for r in results["runs"]] == ["inductor fp32", "hot"]
