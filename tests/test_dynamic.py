@@ -8,7 +8,7 @@ import hot_compile
 from hot_compile import HotConfig
 from tests import tolerances as tol
 from tests.data import make
-from tests.harness import aot_compile
+from tests.harness import aot_compile, assert_rewritten
 from tests.models import MLP, Block, grad_errors
 
 # (batch, tokens): tokens never a multiple of 16
@@ -50,4 +50,5 @@ def test_inductor_dynamic_runs_all_shapes_with_at_most_one_recompile():
         x = make("smooth", batch * tokens, 32, batch).reshape(batch, tokens, 32)
         errors = grad_errors(model, compiled, x)
         assert max(errors.values()) < tol.E2E_GRAD, (batch, tokens, errors)
+        assert_rewritten()
     assert len(compiles) <= 2
