@@ -5,7 +5,8 @@ twice in one process — ``backend="inductor"`` and ``backend="hot"`` with ``pol
 forced) — and a training step (forward, which holds the ABC compression, plus backward) is timed
 with the variants interleaved. The cost model's prediction for the layer is its sites summed: the
 forward where the default ``forward_bits`` rewrites it, grad_input and grad_weight; the choice is
-right when "HOT is faster" agrees with the measured medians.
+right when "HOT is faster" agrees with the measured medians. The tool also counts the decisions of
+the default policy, which rewrites up to ``max_slowdown`` past the estimate's break-even.
 
     python tools/cost_model_sweep.py --out sweep.json           # 36 shapes, this machine's profile
     python tools/cost_model_sweep.py --quick                    # 6 shapes, for a smoke run
@@ -45,6 +46,14 @@ def predict(l: int, n: int, k: int, profile: devices.DeviceProfile) -> tuple[flo
     if config.forward_bits is not None:
         sites.append(forward_cost(l, n, k, 4, flops, profile, config.forward_bits))
     return sum(c.original_s for c in sites), sum(c.hot_s for c in sites)
+
+
+def default_policy_agreement(rows: list[dict], max_slowdown: float = HotConfig().max_slowdown) -> int:
+    """How many shapes the default policy ("balanced": rewrite while the estimate is at most
+    ``1 + max_slowdown`` times the original's) decides as the measured faster variant."""
+    return sum(
+        (r["est_hot_ms"] <= (1 + max_slowdown) * r["est_original_ms"]) == (r["hot_ms"] < r["inductor_ms"]) for r in rows
+    )
 
 
 def _step_time(compiled, x, grad, repeats: int) -> list[float]:
@@ -103,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| {hot / ind:.2f} | {'yes' if right else 'NO'} |", flush=True)  # fmt: skip
     agreement = sum(r["right"] for r in rows) / len(rows)
     print(f"\ncost model chose the faster variant for {sum(r['right'] for r in rows)}/{len(rows)} shapes ({agreement:.0%})")
+    print(f"the default policy's decision was the faster variant for {default_policy_agreement(rows)}/{len(rows)} shapes")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"profile": json.loads(profile.to_json()), "rows": rows, "agreement": agreement}, f, indent=2)
