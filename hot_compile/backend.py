@@ -15,7 +15,7 @@ import torch
 
 from .observability import report
 from .config import HotConfig, split_options
-from .inductor_pass import HotJointPass, joint_pass
+from .inductor_pass import HotJointPass, parameter_inputs
 from .observability.inspection import NO_COMPILE_ID, record_partition
 
 
@@ -40,7 +40,7 @@ def compile_with_hot(
 
     patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
     patches.update(inductor_options or {})
-    hot_pass = joint_pass(config)
+    hot_pass = HotJointPass(config, parameter_inputs(example_inputs))
     patches["joint_custom_post_pass"] = _chain_joint_passes(
         patches.get("joint_custom_post_pass", torch._inductor.config.joint_custom_post_pass), hot_pass
     )

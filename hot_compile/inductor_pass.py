@@ -51,15 +51,17 @@ GRAPH_SHAPING_SOURCES: tuple[pathlib.Path, ...] = (
 class HotJointPass(CustomGraphPass):
     """Inductor joint-graph pass applying HOT under a fixed :class:`HotConfig`."""
 
-    def __init__(self, config: HotConfig | None = None):
+    def __init__(self, config: HotConfig | None = None, parameters: frozenset[int] | None = None):
         self.config = config or HotConfig()
+        # Which inputs of the compiled function are parameters (the backend knows; see run_hot_pass).
+        self.parameters = parameters
 
     def __call__(self, graph: fx.Graph) -> None:
         compile_id = torch._guards.CompileContext.current_compile_id()
         inspected = inspection.JointGraphInspection(graph, self.config, compile_id)
         name = inspected.name
         try:
-            report = run_hot_pass(graph, self.config, name)
+            report = run_hot_pass(graph, self.config, name, self.parameters)
         except Exception as exc:
             inspected.finish(graph, error=exc)
             if self.config.strict:
@@ -85,13 +87,22 @@ class HotJointPass(CustomGraphPass):
         # decisions also depend on the device profile: this machine's calibration, if any, or the
         # built-in profile its CPU's features select.
         calibrated = load_calibrated()
+        parameters = None if self.parameters is None else sorted(self.parameters)
         extra = (
             f"{self.config!r}|{torch.__version__}|{calibrated.to_json() if calibrated else ''}"
-            f"|{resolve_profile(torch.device('cpu')).name}"
+            f"|{resolve_profile(torch.device('cpu')).name}|{parameters}"
         )
         return get_hash_for_files(tuple(str(p) for p in GRAPH_SHAPING_SOURCES), extra=extra)
 
 
 def joint_pass(config: HotConfig | None = None) -> HotJointPass:
-    """The HOT pass for ``torch._inductor.config.joint_custom_post_pass``."""
+    """The HOT pass for ``torch._inductor.config.joint_custom_post_pass``. Installed this way it is not
+    told which graph inputs are parameters: weights stored as ``[K, N]`` or computed in the graph are
+    then no sites (their products are reported); ``backend="hot"`` covers them."""
     return HotJointPass(config)
+
+
+
+def parameter_inputs(example_inputs: list) -> frozenset[int]:
+    """The indices of a Dynamo graph's inputs that are parameters (Dynamo passes them as themselves)."""
+    return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter))

@@ -24,7 +24,15 @@ from .rewrite_forward import forward_bias, rewrite_forward
 from .report import Report, SiteRow
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
-from .sites import LinearSite, UnmatchedProduct, backward_nodes, find_linear_sites, find_unmatched_products, same_value
+from .sites import (
+    LinearSite,
+    UnmatchedProduct,
+    WeightLike,
+    backward_nodes,
+    find_linear_sites,
+    find_unmatched_products,
+    same_value,
+)
 
 __all__ = ["Report", "SiteRow", "run_hot_pass"]
 
@@ -161,7 +169,7 @@ def _unmatched_row(product: UnmatchedProduct) -> SiteRow:
     return SiteRow(
         module=product.module_path,
         path=product.path,
-        shape=f"{_hint(a[0])}×{_hint(a[1])} @ {_hint(b[0])}×{_hint(b[1])}",
+        shape=" @ ".join("×".join(str(_hint(d)) for d in dims) for dims in (a, b)),
         dtype=str(product.node.meta["val"].dtype).removeprefix("torch."),
         decision="kept",
         reason=f"not rewritten: {illegal}" if illegal else product.reason,
@@ -175,14 +183,21 @@ def _numerics(entry: _Planned, config: HotConfig) -> str:
     return describe(entry.path, entry.config, config, site.module_path) + note
 
 
-def run_hot_pass(graph: fx.Graph, config: HotConfig, graph_name: str = "") -> Report:
+def run_hot_pass(
+    graph: fx.Graph, config: HotConfig, graph_name: str = "", parameters: frozenset[int] | None = None
+) -> Report:
     """Rewrite ``graph`` in place according to ``config`` and return the per-site report.
+
+    ``parameters``: the indices of the compiled function's inputs that are parameters. With them,
+    weights stored as ``[K, N]`` and weights computed from parameters are sites too (see
+    :mod:`~hot_compile.passes.sites`).
 
     All new nodes are inserted first; only when every rewrite has been built are the old matmuls
     rewired and erased, so an exception leaves the graph as it was.
     """
-    sites = find_linear_sites(graph)
-    unmatched = find_unmatched_products(graph, sites)  # before the rewrites erase the claimed products
+    weight_like = WeightLike(graph, parameters)
+    sites = find_linear_sites(graph, weight_like)
+    unmatched = find_unmatched_products(graph, sites, weight_like)  # before the rewrites erase the claimed products
     planned = _plan_and_rewrite(graph, config, sites)
     rewritten = [p for p in planned if p.decision != "kept"]
     for device in {p.site.x2d.meta["val"].device for p in rewritten}:

@@ -32,7 +32,8 @@ def rewrite_forward(graph: fx.Graph, site: LinearSite, config: HotConfig, create
     out_dtype = site.linear.meta["val"].dtype
 
     def linear(x, weight, *maybe_bias):
-        return ops.int8_linear(x, weight, maybe_bias[0] if maybe_bias else None, config.forward_bits).to(out_dtype)
+        bias = maybe_bias[0] if maybe_bias else None
+        return ops.int8_linear(x, site.weight_nk(weight), bias, config.forward_bits).to(out_dtype)
 
     operands = [site.x2d, site.weight] + ([bias] if bias is not None else [])
     return insert_traced(graph, linear, operands, before=site.linear, meta=meta, created=created)

@@ -26,7 +26,7 @@ def rewrite_grad_input(graph: fx.Graph, site: LinearSite, config: HotConfig, cre
         g = grad.t() if transposed else grad
         out = ops.hq_grad_input(
             g,
-            weight,
+            site.weight_nk(weight),
             ops.draw_seed(g),
             config.gx_bits,
             config.gx_bits,

@@ -1,11 +1,15 @@
 """Find the backward matmul sites of every linear layer in an AOTAutograd joint graph.
 
-A linear layer appears in the forward as ``addmm(b, x2d, permute(W))`` or ``mm(x2d, permute(W))``
-(``x2d`` the input flattened to ``[L, K]``, ``W: [N, K]`` a graph input, possibly cast). Its backward
-holds up to two ``mm`` nodes, recognised by operand identity through transposes and views:
+A linear layer appears in the forward as ``addmm(b, x2d, Wᵀ)`` or ``mm(x2d, Wᵀ)`` (``x2d`` the input
+flattened to ``[L, K]``): ``nn.Linear``, ``F.linear`` and ``x @ W.T`` write ``Wᵀ`` as a transpose of
+``W: [N, K]``; GPT-2's ``Conv1D`` and ``x @ W`` store ``Wᵀ`` itself, ``[K, N]``. The weight is
+weight-like: a parameter, or a value computed from parameters alone (a merged LoRA adapter, weight
+norm), possibly cast. Where the pass is not told which graph inputs are parameters, only the first form
+with a graph input as ``W`` is a site. The backward holds up to two ``mm`` nodes, recognised by operand
+identity through transposes and views:
 
 * grad_input  ``mm(g, W)`` → ``[L, K]``  (or its transpose ``mm(Wᵀ, gᵀ)``);
-* grad_weight ``mm(gᵀ, x2d)`` → ``[N, K]`` (or its transpose ``mm(x2dᵀ, g)``).
+* grad_weight ``mm(gᵀ, x2d)`` → ``[N, K]`` (or its transpose ``mm(x2dᵀ, g)``, ``[K, N]``).
 
 Nothing here mutates the graph.
 """
@@ -17,6 +21,7 @@ import re
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -46,17 +51,22 @@ class MatmulUse:
 class LinearSite:
     linear: fx.Node  # forward addmm / mm
     x2d: fx.Node  # forward input, [L, K]
-    weight: fx.Node  # the weight as [N, K] (after any cast), before the forward's transpose
+    weight: fx.Node  # the weight (after any cast), before the forward's transpose if it has one
     module_path: str
     grad_input: MatmulUse | None = None
     grad_weight: MatmulUse | None = None
     feeds_cross_entropy: bool = False  # the output is the logits of a softmax cross-entropy
+    weight_kn: bool = False  # ``weight`` holds Wᵀ, [K, N] (Conv1D, x @ W) rather than W, [N, K]
 
     @property
     def shapes(self) -> tuple:
         """(L, N, K) as ints or SymInts."""
-        (l, k), (n, _) = self.x2d.meta["val"].shape, self.weight.meta["val"].shape
-        return l, n, k
+        (l, k), w = self.x2d.meta["val"].shape, self.weight.meta["val"].shape
+        return l, w[1] if self.weight_kn else w[0], k
+
+    def weight_nk(self, weight):
+        """``weight`` (this site's weight, or a value traced from it) as ``[N, K]``."""
+        return weight.t() if self.weight_kn else weight
 
 
 def _val(node: fx.Node):
@@ -136,23 +146,70 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return region
 
 
-def _linear_like(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(x2d, weight [N, K]) of a forward product written as a linear is (``x @ Wᵀ``, the ``Wᵀ`` a
-    transpose of a 2-D tensor), whatever ``W`` is; None otherwise."""
+class WeightLike:
+    """Which nodes are weight-like: parameters, and values computed from parameters alone (constants
+    allowed). ``parameters`` are the indices of the compiled function's inputs that are parameters, as
+    the backend knows them; None where nobody told the pass (``joint_pass()`` installed by hand)."""
+
+    def __init__(self, graph: fx.Graph, parameters: frozenset[int] | None):
+        self.known = parameters is not None
+        self._params = {
+            n for n in graph.find_nodes(op="placeholder") if getattr(n.meta.get("desc"), "idx", None) in (parameters or ())
+        }
+        self._memo: dict[fx.Node, bool] = {}
+
+    def __call__(self, node: fx.Node) -> bool:
+        if node not in self._memo:
+            # Iterative: a weight computed from parameters can sit deep in the graph.
+            stack = [node]
+            while stack:
+                n = stack[-1]
+                pending = [a for a in n.all_input_nodes if a not in self._memo]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                stack.pop()
+                if n.op == "placeholder":
+                    self._memo[n] = n in self._params
+                else:
+                    inputs = n.all_input_nodes
+                    self._memo[n] = n.op == "get_attr" or (
+                        n.op == "call_function" and all(self._memo[a] for a in inputs)
+                    )
+        return self._memo[node]
+
+
+def _linear_like(node: fx.Node, weight_like: WeightLike) -> tuple[fx.Node, fx.Node, bool] | None:
+    """(x2d, weight, weight_kn) of a forward product written as a linear, or None.
+
+    With the parameters known: ``x @ Wᵀ`` with a weight-like 2-D ``W``, transposed or stored as
+    ``[K, N]``, and ``x`` not weight-like. Without: the transposed form, whatever ``W`` is, and ``x @ W``
+    with ``W`` a graph input and ``x`` none (:func:`why_not_a_site` tells which of these are sites)."""
     mat1, mat2 = (node.args[1], node.args[2]) if node.target is aten.addmm.default else node.args[:2]
     weight, flipped = strip_transposes(mat2)
-    return (mat1, weight) if flipped else None
+    val = _val(weight)
+    if val is None or val.dim() != 2:
+        return None
+    if not weight_like.known:
+        if flipped:
+            return mat1, weight, False
+        graph_input = _weight_source(weight).op == "placeholder" and _weight_source(mat1).op != "placeholder"
+        return (mat1, weight, True) if graph_input else None
+    if weight_like(weight) and not weight_like(mat1):
+        return mat1, weight, not flipped
+    return None
 
 
-def why_not_a_site(node: fx.Node, weight: fx.Node) -> str | None:
+def why_not_a_site(node: fx.Node, weight: fx.Node, weight_kn: bool, weight_like: WeightLike) -> str | None:
     """Why a linear-like forward product is no site, or None when it is one."""
     if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
         return "an addmm with alpha or beta other than 1 is not a linear layer's product"
     source = _weight_source(weight)
-    if source.op != "placeholder":
+    if not weight_like.known and (weight_kn or source.op != "placeholder"):
+        form = "stored as [in, out]" if weight_kn else f"computed in the graph (by {source.name})"
         return (
-            f"the weight is computed in the graph (by {source.name}), not a graph input: a merged "
-            "adapter or a reparametrized weight is not a site"
+            f"the weight is {form}, and the pass was not told which graph inputs are parameters "
+            "(backend='hot' tells it; joint_pass() alone does not)"
         )
     return None
 
@@ -169,10 +226,10 @@ def _classify(mm: fx.Node, site: LinearSite) -> tuple[str, MatmulUse] | None:
         return None
     a, b = mm.args[:2]
     (sa, fa), (sb, fb) = strip_transposes(a), strip_transposes(b)
-    # grad_input: g @ W  or  Wᵀ @ gᵀ
-    if sb is site.weight and not fb:
+    # grad_input: g @ W  or  Wᵀ @ gᵀ, W being [N, K] (a weight stored as [K, N] appears transposed)
+    if sb is site.weight and fb == site.weight_kn:
         return "gx", MatmulUse(mm, a, grad_transposed=False, out_transposed=False)
-    if sa is site.weight and fa:
+    if sa is site.weight and fa != site.weight_kn:
         return "gx", MatmulUse(mm, b, grad_transposed=True, out_transposed=True)
     # grad_weight: gᵀ @ x2d  or  x2dᵀ @ g
     if same_value(sb, site.x2d) and not fb:
@@ -182,13 +239,18 @@ def _classify(mm: fx.Node, site: LinearSite) -> tuple[str, MatmulUse] | None:
     return None
 
 
+# Ops whose result holds (some of) their input's values unchanged.
+_VALUE_PRESERVING_OPS = _VIEW_OPS + _CAST_OPS + (aten.slice.Tensor, aten.clone.default)
+
+
 def _same_tensor_users(node: fx.Node) -> list[fx.Node]:
-    """``node`` and the nodes that hold its values reshaped or cast (autocast casts logits to fp32)."""
+    """``node`` and the nodes that hold its values reshaped, cast (autocast casts logits to fp32) or
+    sliced (a causal language model's loss drops the last position's logits)."""
     found, frontier = [], [node]
     while frontier:
         n = frontier.pop()
         found.append(n)
-        frontier += [u for u in n.users if u.op == "call_function" and u.target in _VIEW_OPS + _CAST_OPS]
+        frontier += [u for u in n.users if u.op == "call_function" and u.target in _VALUE_PRESERVING_OPS]
     return found
 
 
@@ -232,16 +294,16 @@ def feeds_cross_entropy(linear: fx.Node) -> bool:
     return False
 
 
-def find_linear_sites(graph: fx.Graph) -> list[LinearSite]:
+def find_linear_sites(graph: fx.Graph, weight_like: WeightLike) -> list[LinearSite]:
     """Every forward linear of the joint graph with its backward gradient matmuls."""
     backward = backward_nodes(graph)
     sites: list[LinearSite] = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _LINEAR_OPS or node in backward:
             continue
-        operands = _linear_like(node)
-        if operands is not None and why_not_a_site(node, operands[1]) is None:
-            site = LinearSite(node, operands[0], operands[1], module_path(node))
+        operands = _linear_like(node, weight_like)
+        if operands is not None and why_not_a_site(node, *operands[1:], weight_like) is None:
+            site = LinearSite(node, operands[0], operands[1], module_path(node), weight_kn=operands[2])
             site.feeds_cross_entropy = feeds_cross_entropy(node)
             sites.append(site)
     for node in graph.nodes:
@@ -273,31 +335,44 @@ class UnmatchedProduct:
     site: LinearSite | None = None  # the site of its forward product, if that is one
 
 
-def find_unmatched_products(graph: fx.Graph, sites: list[LinearSite]) -> list[UnmatchedProduct]:
-    """Every backward ``mm`` that autograd derived (by ``seq_nr``) from a linear-like forward product
-    and that no site claims, with the reason: no such product goes unreported."""
+def _batched_weight(node: fx.Node, weight_like: WeightLike) -> fx.Node | None:
+    """The weight-like operand of a forward ``bmm`` of an activation and a weight (``einsum`` and
+    ``matmul`` of 3-D tensors write a linear this way), or None."""
+    if not weight_like.known:
+        return None
+    a, b = (_view_root(strip_transposes(arg)[0]) for arg in node.args[:2])
+    if weight_like(a) != weight_like(b):
+        return a if weight_like(a) else b
+    return None
+
+
+def find_unmatched_products(graph: fx.Graph, sites: list[LinearSite], weight_like: WeightLike) -> list[UnmatchedProduct]:
+    """Every backward ``mm`` or ``bmm`` that autograd derived (by ``seq_nr``) from a forward product of
+    an activation and a weight and that no site claims, with the reason: no such product goes
+    unreported."""
     backward = backward_nodes(graph)
     claimed = {use.node for site in sites for use in (site.grad_input, site.grad_weight) if use is not None}
     site_of = {site.linear: site for site in sites}
-    forwards: dict[int, tuple[fx.Node, fx.Node]] = {}
+    forwards: dict[int, tuple[fx.Node, fx.Node, str | None]] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in _LINEAR_OPS and node not in backward:
-            operands = _linear_like(node)
-            if operands is not None and node.meta.get("seq_nr") is not None:
-                forwards[node.meta["seq_nr"]] = (node, operands[1])
+        if node.op != "call_function" or node in backward or node.meta.get("seq_nr") is None:
+            continue
+        if node.target in _LINEAR_OPS and (operands := _linear_like(node, weight_like)) is not None:
+            reason = None if node in site_of else why_not_a_site(node, *operands[1:], weight_like)
+            forwards[node.meta["seq_nr"]] = (node, operands[1], reason)
+        elif node.target is aten.bmm.default and (weight := _batched_weight(node, weight_like)) is not None:
+            reason = "a batched matmul (bmm) of a weight, as einsum writes a linear, is not a site"
+            forwards[node.meta["seq_nr"]] = (node, weight, reason)
     found = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is not aten.mm.default or node not in backward or node in claimed:
+        if node.op != "call_function" or node.target not in (aten.mm.default, aten.bmm.default):
             continue
-        forward = forwards.get(node.meta.get("seq_nr"))
-        if forward is None:
+        if node not in backward or node in claimed or (forward := forwards.get(node.meta.get("seq_nr"))) is None:
             continue
-        linear, weight = forward
-        shape, weight_shape = tuple(node.meta["val"].shape), tuple(weight.meta["val"].shape)
-        path = "gw" if shape in (weight_shape, weight_shape[::-1]) else "gx"
+        linear, weight, reason = forward
+        # A weight's gradient has the weight's elements, whatever views einsum puts around them.
+        path = "gw" if statically_known_true(node.meta["val"].numel() == weight.meta["val"].numel()) else "gx"
         site = site_of.get(linear)
-        reason = why_not_a_site(linear, weight) if site is None else (
-            "matches neither gradient of this linear (g @ W, gᵀ @ x) through transposes and views"
-        )
+        reason = reason or "matches neither gradient of this linear (g @ W, gᵀ @ x) through transposes and views"
         found.append(UnmatchedProduct(node, module_path(linear), path, f"not rewritten: {reason}", site))
     return found

@@ -11,7 +11,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
 from hot_compile import HotConfig
-from hot_compile.inductor_pass import HotJointPass
+from hot_compile.inductor_pass import HotJointPass, parameter_inputs
 
 
 class Graphs:
@@ -56,7 +56,12 @@ def aot_compile(model, config: HotConfig | None = None, pass_cls=HotJointPass, *
     backend = aot_autograd(
         fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition, decompositions=select_decomp_table()
     )
-    return torch.compile(model, backend=backend, **compile_kwargs), graphs
+
+    def hot_aot(gm, example_inputs):
+        hot_pass.parameters = parameter_inputs(example_inputs)  # as the hot backend tells its pass
+        return backend(gm, example_inputs)
+
+    return torch.compile(model, backend=hot_aot, **compile_kwargs), graphs
 
 
 def pin_int8_path(monkeypatch, kind: str) -> None:

@@ -293,28 +293,6 @@ def test_every_integer_gemm_gives_the_same_gradients(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(grads["int_mm"], grads["float"]))
 
 
-class _ComputedWeights(nn.Module):
-    """A LoRA adapter merged into its weight and a weight-normalized linear: weights the graph computes."""
-
-    def __init__(self, dim=32, rank=4):
-        super().__init__()
-        self.base = nn.Linear(dim, dim)
-        self.lora_a, self.lora_b = nn.Parameter(torch.randn(rank, dim) / dim), nn.Parameter(torch.randn(dim, rank) / rank)
-        self.normed = nn.utils.parametrizations.weight_norm(nn.Linear(dim, dim))
-
-    def forward(self, x):
-        merged = F.linear(x, self.base.weight + self.lora_b @ self.lora_a, self.base.bias)
-        return self.normed(F.gelu(merged))
-
-
-def test_products_of_computed_weights_get_rows_that_say_why():
-    _run(_ComputedWeights(), torch.randn(2, 40, 32, requires_grad=True))
-    kept = [r for r in hot_compile.last_report() if "computed in the graph" in r.reason]
-    assert {r.path for r in kept} == {"gx", "gw"} and all(r.decision == "kept" for r in kept)
-    assert len(kept) == 4  # grad_input and grad_weight of both products
-    assert not hot_compile.last_report().rewritten()
-
-
 @pytest.mark.parametrize(
     "kind,gx_bits,note",
     [("int_mm", 8, None), ("u8s8", 4, "GEMM: oneDNN uint8 × int8"), ("u8s8", 8, "GEMM: float32"), ("float", 4, "GEMM: float32")],

@@ -56,6 +56,10 @@ E2E_GRAD = INT8_PER_SLICE_PRODUCT * (1 + MAX_STACKED_GRAD_INPUTS) ** 0.5
 # the activations it is computed at, which stacks over the same ≤ 4 forward products as E2E_GRAD's
 # backward ones; the two add at most linearly.
 E2E_GRAD_INT8_FORWARD = 2 * E2E_GRAD
+# A 2-layer GPT-2 (tests/test_weight_forms.py): below its embeddings' gradient stand 8 rewritten
+# grad_input products (4 Conv1D projections per layer) and the LM head's, 9 in all, and the integer
+# forward of as many products: E2E_GRAD_INT8_FORWARD's rule at that depth.
+E2E_GRAD_GPT2 = 2 * INT8_PER_SLICE_PRODUCT * (1 + 9) ** 0.5
 # The same with rank 8 on token-smooth inputs, where the low-rank cut adds its own small error.
 E2E_GRAD_RANK8_SMOOTH = E2E_GRAD + HLA_RANK8_SMOOTH
 

@@ -28,7 +28,7 @@ STUB = '''
 import importlib.abc, importlib.machinery, os, sys
 
 
-def _no_sites(graph):
+def _no_sites(graph, *args, **kwargs):
     """No site, and a note of the test that ran the pass (pytest names it in the environment, which
     the processes a test starts inherit)."""
     test, log = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0], os.environ.get("HOT_NO_SITES_LOG")
