@@ -110,7 +110,7 @@ class HotConfig:
     """
 
     policy: str = dataclasses.field(default_factory=lambda: os.environ.get("HOT_POLICY") or "balanced")
-    max_slowdown: float = 0.25
+    max_slowdown: float = 0.1
     overrides: tuple = ()
     device_profile: str = "auto"
     gx_bits: int | str = AUTO

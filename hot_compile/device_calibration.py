@@ -28,19 +28,32 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _fitted_transform_rate(profile: DeviceProfile, repeats: int, l: int = 2048, n: int = 1024, k: int = 1024) -> float:
-    """``T`` such that the cost model's HQ estimate equals the measured time of HQ's grad_input op
-    at ``[l, n] @ [n, k]`` with the default numerics: the transforms, scales, hash and quantizers the
-    backend runs, fused as Inductor fuses them, rather than one stand-alone kernel."""
-    g, w, seed = torch.randn(l, n), torch.randn(n, k), torch.tensor(0)
+# The HQ ops the transform rate is fitted on: a square layer in float32, and a transformer's
+# projections (ViT-S/16 at batch 32: 6272 tokens, 384 wide, MLP 1536) in bfloat16, as autocast runs them.
+FIT_SITES = ((2048, 1024, 1024, torch.float32), (6272, 384, 1536, torch.bfloat16), (6272, 1536, 384, torch.bfloat16))
+
+
+def _fitted_transform_rate(profile: DeviceProfile, repeats: int, sites=FIT_SITES) -> float:
+    """``T`` such that the cost model's HQ estimates fit the measured times of HQ's grad_input op at
+    ``sites`` (``(L, N, K, dtype)``), with the default numerics: the transforms, scales, hash and
+    quantizers the backend runs, on the kernels it runs them with, rather than one stand-alone loop.
+
+    Each estimate is ``rest + outputs / T``; ``1/T`` is the least-squares slope through the origin of
+    the measured time left after ``rest`` against ``outputs``: ``Σ outputs·left / Σ outputs²``."""
     bits = profile.widest_bits_at_narrowest_rate()
-    measured = median_seconds(lambda: hq_grad_input(g, w, seed, bits, bits, True, True, "per_channel"), repeats)
-    padded = padded_length(n)
-    outputs = l * padded + padded * k
-    flops = profile.matmul_rate(torch.float32)
-    rest = grad_input_cost(l, n, k, 4, flops, dataclasses.replace(profile, transform_rate=float("inf")), bits).hot_s
-    # The other terms can exceed a measurement that is mostly transform-bound by noise alone.
-    return outputs / max(measured - rest, measured / 4)
+    without_transforms = dataclasses.replace(profile, transform_rate=float("inf"))
+    numerator = denominator = 0.0
+    for l, n, k, dtype in sites:
+        g, w, seed = torch.randn(l, n, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.tensor(0)
+        measured = median_seconds(lambda: hq_grad_input(g, w, seed, bits, bits, True, True, "per_channel"), repeats)
+        padded = padded_length(n)
+        outputs = l * padded + padded * k
+        rest = grad_input_cost(l, n, k, w.element_size(), profile.matmul_rate(dtype), without_transforms, bits).hot_s
+        # The other terms can exceed a measurement that is mostly transform-bound by noise alone.
+        left = max(measured - rest, measured / 4)
+        numerator += outputs * left
+        denominator += outputs * outputs
+    return denominator / numerator
 
 
 def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:

@@ -234,7 +234,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if field.name in ("models", "variants", "fresh_cache", "hot_policy"):
             continue
         parser.add_argument("--" + field.name.replace("_", "-"), type=int, default=None, help=f"default {field.default}")
-    parser.add_argument("--hot-policy", choices=POLICIES, default=defaults.hot_policy, help="HotConfig.policy of the hot variants")
+    parser.add_argument(
+        "--hot-policy", choices=POLICIES, default=defaults.hot_policy, help="HotConfig.policy of the hot variants (default: none given)"
+    )
     parser.add_argument("--warm-cache", action="store_true", help="keep Inductor's caches (compile time is then a cache load)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench_out"), help="folder for bench.json/.md/.png")
     parser.add_argument(
@@ -247,11 +249,9 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     values: dict[str, Any] = dict(TINY) if args.tiny else {}
     for field in dataclasses.fields(BenchSpec):
         given = getattr(args, field.name, None)
-        if field.name not in ("models", "variants", "fresh_cache", "hot_policy") and given is not None:
+        if field.name not in ("models", "variants", "fresh_cache") and given is not None:
             values[field.name] = given
-    return BenchSpec(
-        models=args.models, variants=args.variants, fresh_cache=not args.warm_cache, hot_policy=args.hot_policy, **values
-    )
+    return BenchSpec(models=args.models, variants=args.variants, fresh_cache=not args.warm_cache, **values)
 
 
 def command_line(args: argparse.Namespace, prog: str) -> str:

@@ -52,7 +52,7 @@ class BenchSpec:
     inputs: int = 3
     threads: int | None = None
     fresh_cache: bool = True
-    hot_policy: str = "hot"
+    hot_policy: str | None = None  # HotConfig.policy of the hot variants; None: the default, no option
     hot_forward_bits: int | None = None  # HotConfig.forward_bits of the hot variants
     seed: int = 0
 
@@ -61,7 +61,7 @@ class BenchSpec:
             bad = [v for v in getattr(self, key) if v not in allowed]
             if bad or not getattr(self, key):
                 raise ValueError(f"{key}={getattr(self, key)!r}: accepted are non-empty subsets of {allowed}")
-        if self.hot_policy not in POLICIES:
+        if self.hot_policy is not None and self.hot_policy not in POLICIES:
             raise ValueError(f"hot_policy={self.hot_policy!r}: accepted are {POLICIES}")
         HotConfig(**self.hot_options())  # a bad hot_forward_bits fails here, with HotConfig's message
         if self.repeats < 1 or self.warmup < 0 or self.inputs < 1:
@@ -72,14 +72,16 @@ class BenchSpec:
         return hot_options(self.hot_policy, self.hot_forward_bits)
 
 
-def hot_options(policy: str, forward_bits: int | None = None) -> dict[str, Any]:
-    """``torch.compile`` options of a hot variant."""
-    return {"policy": policy} if forward_bits is None else {"policy": policy, "forward_bits": forward_bits}
+def hot_options(policy: str | None, forward_bits: int | None = None) -> dict[str, Any]:
+    """``torch.compile`` options of a hot variant: none for the defaults a user gets."""
+    settings = {"policy": policy, "forward_bits": forward_bits}
+    return {key: value for key, value in settings.items() if value is not None}
 
 
+# Smoke sizes, at which the default policy keeps every site as too small: the smoke run forces them.
 TINY = dict(
     batch=2, mlp_tokens=24, mlp_dim=32, mlp_hidden=64, vit_tokens=17, vit_dim=32, vit_heads=2, vit_depth=1,
-    minilm_batch=2, minilm_tokens=16, warmup=1, repeats=3, inputs=2,
+    minilm_batch=2, minilm_tokens=16, warmup=1, repeats=3, inputs=2, hot_policy="hot",
 )  # fmt: skip
 
 
@@ -204,7 +206,9 @@ def _reset_peak_rss() -> bool:
 class Runner:
     """One compiled variant of a case, with its own copy of the weights."""
 
-    def __init__(self, variant: str, case: Case, fresh_cache: bool, hot_policy: str, hot_forward_bits: int | None = None):
+    def __init__(
+        self, variant: str, case: Case, fresh_cache: bool, hot_policy: str | None, hot_forward_bits: int | None = None
+    ):
         self.variant, self.case, self.fresh_cache = variant, case, fresh_cache
         self.model = case.build()
         self.compiled = _compile(variant, self.model, hot_options(hot_policy, hot_forward_bits))

@@ -51,9 +51,13 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
     runs = result.get("runs") or [{**result, "command": command or result.get("command")}]
     lines += ["", *(f"- {_run_line(run)}" for run in runs)]
     spec = result["spec"]
+    options = hot_options(spec.get("hot_policy"), spec.get("hot_forward_bits"))
+    call = f'`torch.compile(model, backend="hot", options={options})`' if options else (
+        '`torch.compile(model, backend="hot")`, the defaults (no options)'
+    )
     lines += [
         "",
-        f"hot variants: `torch.compile(model, backend=\"hot\", options={hot_options(spec['hot_policy'], spec.get('hot_forward_bits'))})`; "
+        f"hot variants: {call}; "
         "bf16 variants run the forward under `torch.autocast(\"cpu\", torch.bfloat16)`.",
         "",
         f"Medians of {spec['repeats']} interleaved steps after {spec['warmup']} warm-up steps; ratios are against "

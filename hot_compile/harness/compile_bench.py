@@ -53,18 +53,18 @@ class CompileBenchSpec:
     repeats: int = 2
     steps: int = 3
     threads: int | None = None
-    hot_policy: str = "hot"
+    hot_policy: str | None = None  # None: the default, no option
 
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r}: accepted are {MODELS}")
-        if self.hot_policy not in POLICIES:
+        if self.hot_policy is not None and self.hot_policy not in POLICIES:
             raise ValueError(f"hot_policy={self.hot_policy!r}: accepted are {POLICIES}")
         if self.repeats < 1 or self.steps < 1:
             raise ValueError(f"repeats and steps must be ≥ 1, got {self.repeats} and {self.steps}")
 
 
-def measure(variant: str, model: str, batch: int | None, steps: int, hot_policy: str) -> dict[str, float]:
+def measure(variant: str, model: str, batch: int | None, steps: int, hot_policy: str | None) -> dict[str, float]:
     """In this process: ``model`` compiled as ``variant`` with the current Inductor cache; its compile
     seconds (first step minus the median of ``steps`` more), the part of them building or loading
     HOT's kernels, and how many graphs the first step found in Inductor's FX graph cache and how many
@@ -164,7 +164,7 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
     lines = [
         bench_report.machine_line(result["machine"]) + f" Run {result['date']}" + (f": `{command}`" if command else "") + ".",
         "",
-        f"Model: {result['spec']['model']} (bench.py's sizes); hot: `policy={result['spec']['hot_policy']!r}`. "
+        f"Model: {result['spec']['model']} (bench.py's sizes); hot: `options={bench_cases.hot_options(result['spec']['hot_policy'])}`. "
         f"Primer: {result['primer']['model']}, batch {result['primer']['batch']}, under the same backend "
         "in the same cache. Compile: first step minus the median step of the same process; HOT kernels: "
         "the part of it spent building (first use) or loading (after a primer) the kernels of HOT's ops; "
