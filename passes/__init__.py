@@ -195,9 +195,9 @@ def run_hot_pass(
     All new nodes are inserted first; only when every rewrite has been built are the old matmuls
     rewired and erased, so an exception leaves the graph as it was.
     """
-    weight_like = WeightLike(graph, parameters)
-    sites = find_linear_sites(graph, weight_like)
-    unmatched = find_unmatched_products(graph, sites, weight_like)  # before the rewrites erase the claimed products
+    weight_like, backward = WeightLike(graph, parameters), backward_nodes(graph)
+    sites = find_linear_sites(graph, weight_like, backward)
+    unmatched = find_unmatched_products(graph, sites, weight_like, backward)  # before the rewrites erase any
     planned = _plan_and_rewrite(graph, config, sites)
     rewritten = [p for p in planned if p.decision != "kept"]
     for device in {p.site.x2d.meta["val"].device for p in rewritten}:
@@ -209,7 +209,7 @@ def run_hot_pass(
             old = entry.site.grad_input.node if entry.path == "gx" else entry.site.grad_weight.node
         old.replace_all_uses_with(entry.replacement)
         graph.erase_node(old)
-    backward = backward_nodes(graph)  # once: the rows only read the rewritten graph
+    backward = backward_nodes(graph)  # again: the rows read the rewritten graph
     rows = [_row(graph, backward, entry, config) for entry in planned] + [_unmatched_row(u) for u in unmatched]
     hot = counters["hot"]
     hot["sites_found"] += len(rows)

@@ -48,8 +48,6 @@ def why_illegal_forward(site: LinearSite, bias: fx.Node | None) -> str | None:
     problem = _unsupported(values)
     if problem:
         return problem
-    if any(site.linear.kwargs.get(k, 1) != 1 for k in ("alpha", "beta")):
-        return "addmm with alpha or beta other than 1"
     if bias is not None and tuple(values[-1].shape) != (site.shapes[1],):
         return f"bias of shape {tuple(values[-1].shape)}, not [out_features]"
     if any(statically_known_true(d == 0) for d in site.shapes):

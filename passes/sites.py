@@ -294,9 +294,9 @@ def feeds_cross_entropy(linear: fx.Node) -> bool:
     return False
 
 
-def find_linear_sites(graph: fx.Graph, weight_like: WeightLike) -> list[LinearSite]:
-    """Every forward linear of the joint graph with its backward gradient matmuls."""
-    backward = backward_nodes(graph)
+def find_linear_sites(graph: fx.Graph, weight_like: WeightLike, backward: set[fx.Node]) -> list[LinearSite]:
+    """Every forward linear of the joint graph with its backward gradient matmuls; ``backward`` is the
+    graph's :func:`backward_nodes`."""
     sites: list[LinearSite] = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target not in _LINEAR_OPS or node in backward:
@@ -346,11 +346,12 @@ def _batched_weight(node: fx.Node, weight_like: WeightLike) -> fx.Node | None:
     return None
 
 
-def find_unmatched_products(graph: fx.Graph, sites: list[LinearSite], weight_like: WeightLike) -> list[UnmatchedProduct]:
+def find_unmatched_products(
+    graph: fx.Graph, sites: list[LinearSite], weight_like: WeightLike, backward: set[fx.Node]
+) -> list[UnmatchedProduct]:
     """Every backward ``mm`` or ``bmm`` that autograd derived (by ``seq_nr``) from a forward product of
     an activation and a weight and that no site claims, with the reason: no such product goes
-    unreported."""
-    backward = backward_nodes(graph)
+    unreported. ``backward`` is the graph's :func:`backward_nodes`, before any rewrite."""
     claimed = {use.node for site in sites for use in (site.grad_input, site.grad_weight) if use is not None}
     site_of = {site.linear: site for site in sites}
     forwards: dict[int, tuple[fx.Node, fx.Node, str | None]] = {}

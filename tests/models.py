@@ -18,18 +18,13 @@ def Block(dim=32, heads=4) -> nn.Module:
     return models.Block(dim, heads, sdpa=False)
 
 
-def grad_errors(model: nn.Module, compiled, x: torch.Tensor) -> dict[str, float]:
-    """Per-parameter relative error of ``compiled``'s gradients vs an fp64 eager copy of ``model``.
+def gradient_errors(model: nn.Module, reference: nn.Module) -> dict[str, float]:
+    """Per-parameter relative error of ``model``'s gradients against those of its float64 copy
+    ``reference``, after both ran their backward.
 
     Parameters whose exact gradient vanishes (a key bias: softmax ignores a per-row constant) have no
     relative error and are left out.
     """
-    import copy
-
-    reference = copy.deepcopy(model).double()
-    model.zero_grad()
-    compiled(x).square().mean().backward()
-    reference(x.double()).square().mean().backward()
     ref = dict(reference.named_parameters())
     scale = max(p.grad.norm() for p in ref.values() if p.grad is not None)
     return {
@@ -37,3 +32,15 @@ def grad_errors(model: nn.Module, compiled, x: torch.Tensor) -> dict[str, float]
         for name, p in model.named_parameters()
         if p.grad is not None and ref[name].grad.norm() > 1e-9 * scale
     }
+
+
+def grad_errors(model: nn.Module, compiled, x: torch.Tensor) -> dict[str, float]:
+    """:func:`gradient_errors` of ``compiled`` (``model`` compiled) on the loss ``mean(out²)`` at ``x``,
+    against an fp64 eager copy of ``model``."""
+    import copy
+
+    reference = copy.deepcopy(model).double()
+    model.zero_grad()
+    compiled(x).square().mean().backward()
+    reference(x.double()).square().mean().backward()
+    return gradient_errors(model, reference)

@@ -14,7 +14,7 @@ from hot_compile import HotConfig
 from tests import tolerances as tol
 from tests.data import make
 from tests.harness import aot_compile
-from tests.models import grad_errors
+from tests.models import grad_errors, gradient_errors
 
 aten = torch.ops.aten
 STRICT = HotConfig(strict=True, policy="hot")
@@ -176,13 +176,7 @@ def _gradient_errors(model: nn.Module, options: dict) -> tuple[dict[str, float],
     torch.manual_seed(0)
     torch.compile(_causal_lm_loss(model), backend="hot", options=options, fullgraph=True)(ids).backward()
     _causal_lm_loss(reference)(ids).backward()
-    exact = dict(reference.named_parameters())
-    errors = {
-        name: ((p.grad.double() - exact[name].grad).norm() / exact[name].grad.norm()).item()
-        for name, p in model.named_parameters()
-        if exact[name].grad.norm() > 0
-    }
-    return errors, [r for r in hot_compile.last_report() if r.path in ("gx", "gw")]
+    return gradient_errors(model, reference), [r for r in hot_compile.last_report() if r.path in ("gx", "gw")]
 
 
 @pytest.mark.parametrize("exact_loss_head", [True, False])
