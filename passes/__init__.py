@@ -24,15 +24,9 @@ from .rewrite_forward import forward_bias, rewrite_forward
 from .report import Report, SiteRow
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
-from .sites import (
-    LinearSite,
-    UnmatchedProduct,
-    WeightLike,
-    backward_nodes,
-    find_linear_sites,
-    find_unmatched_products,
-    same_value,
-)
+from .sites import LinearSite, WeightLike, backward_nodes, find_linear_sites, same_value
+from .unbatch import unbatch_weight_products
+from .unmatched import UnmatchedProduct, find_unmatched_products
 
 __all__ = ["Report", "SiteRow", "run_hot_pass"]
 
@@ -183,19 +177,9 @@ def _numerics(entry: _Planned, config: HotConfig) -> str:
     return describe(entry.path, entry.config, config, site.module_path) + note
 
 
-def run_hot_pass(
-    graph: fx.Graph, config: HotConfig, graph_name: str = "", parameters: frozenset[int] | None = None
-) -> Report:
-    """Rewrite ``graph`` in place according to ``config`` and return the per-site report.
-
-    ``parameters``: the indices of the compiled function's inputs that are parameters. With them,
-    weights stored as ``[K, N]`` and weights computed from parameters are sites too (see
-    :mod:`~hot_compile.passes.sites`).
-
-    All new nodes are inserted first; only when every rewrite has been built are the old matmuls
-    rewired and erased, so an exception leaves the graph as it was.
-    """
-    weight_like, backward = WeightLike(graph, parameters), backward_nodes(graph)
+def _rewrite(graph: fx.Graph, config: HotConfig, weight_like: WeightLike):
+    """Find, plan and rewrite the sites; returns the rewritten, the planned and the unmatched."""
+    backward = backward_nodes(graph)
     sites = find_linear_sites(graph, weight_like, backward)
     unmatched = find_unmatched_products(graph, sites, weight_like, backward)  # before the rewrites erase any
     planned = _plan_and_rewrite(graph, config, sites)
@@ -209,6 +193,29 @@ def run_hot_pass(
             old = entry.site.grad_input.node if entry.path == "gx" else entry.site.grad_weight.node
         old.replace_all_uses_with(entry.replacement)
         graph.erase_node(old)
+    return rewritten, planned, unmatched
+
+
+def run_hot_pass(
+    graph: fx.Graph, config: HotConfig, graph_name: str = "", parameters: frozenset[int] | None = None
+) -> Report:
+    """Rewrite ``graph`` in place according to ``config`` and return the per-site report.
+
+    ``parameters``: the indices of the compiled function's inputs that are parameters. With them,
+    weights stored as ``[K, N]`` and weights computed from parameters are sites too (see
+    :mod:`~hot_compile.passes.sites`).
+
+    Batch-1 ``bmm`` products of a weight (``einsum``) first become ``mm`` (:mod:`.unbatch`). All other
+    new nodes are inserted next; only when every rewrite has been built are the old matmuls rewired and
+    erased, so an exception leaves the graph as it was.
+    """
+    weight_like = WeightLike(graph, parameters)
+    unbatched = unbatch_weight_products(graph, weight_like, backward_nodes(graph))
+    try:
+        rewritten, planned, unmatched = _rewrite(graph, config, weight_like)
+    except BaseException:
+        unbatched.undo(graph)
+        raise
     backward = backward_nodes(graph)  # again: the rows read the rewritten graph
     rows = [_row(graph, backward, entry, config) for entry in planned] + [_unmatched_row(u) for u in unmatched]
     hot = counters["hot"]

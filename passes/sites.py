@@ -21,14 +21,20 @@ import re
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_LINEAR_OPS = (aten.addmm.default, aten.mm.default)
+LINEAR_OPS = (aten.addmm.default, aten.mm.default)
 _TRANSPOSE_OPS = (aten.permute.default, aten.t.default, aten.transpose.int)
-_VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default)
+_VIEW_OPS = (
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.alias.default,
+    aten.squeeze.dim,
+    aten.unsqueeze.default,
+)
 _CAST_OPS = (prims.convert_element_type.default, aten._to_copy.default)
 
 
@@ -88,7 +94,7 @@ def strip_transposes(node: fx.Node) -> tuple[fx.Node, bool]:
     return node, flipped
 
 
-def _view_root(node: fx.Node) -> fx.Node:
+def view_root(node: fx.Node) -> fx.Node:
     while node.op == "call_function" and node.target in _VIEW_OPS and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
@@ -102,7 +108,7 @@ def same_value(a: fx.Node, b: fx.Node) -> bool:
     return (
         va is not None
         and vb is not None
-        and _view_root(a) is _view_root(b)
+        and view_root(a) is view_root(b)
         and tuple(va.shape) == tuple(vb.shape)
         and va.dtype == vb.dtype
     )
@@ -111,6 +117,13 @@ def same_value(a: fx.Node, b: fx.Node) -> bool:
 def _weight_source(node: fx.Node) -> fx.Node:
     """The graph input a weight comes from, through casts and views (autocast inserts a cast)."""
     while node.op == "call_function" and node.target in _CAST_OPS + _VIEW_OPS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def storage_source(node: fx.Node) -> fx.Node:
+    """The node whose values ``node`` holds, through any permutes, views and casts."""
+    while node.op == "call_function" and node.target in _TRANSPOSE_OPS + _VIEW_OPS + _CAST_OPS:
         node = node.args[0]
     return node
 
@@ -179,7 +192,7 @@ class WeightLike:
         return self._memo[node]
 
 
-def _linear_like(node: fx.Node, weight_like: WeightLike) -> tuple[fx.Node, fx.Node, bool] | None:
+def linear_like(node: fx.Node, weight_like: WeightLike) -> tuple[fx.Node, fx.Node, bool] | None:
     """(x2d, weight, weight_kn) of a forward product written as a linear, or None.
 
     With the parameters known: ``x @ Wᵀ`` with a weight-like 2-D ``W``, transposed or stored as
@@ -299,9 +312,9 @@ def find_linear_sites(graph: fx.Graph, weight_like: WeightLike, backward: set[fx
     graph's :func:`backward_nodes`."""
     sites: list[LinearSite] = []
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in _LINEAR_OPS or node in backward:
+        if node.op != "call_function" or node.target not in LINEAR_OPS or node in backward:
             continue
-        operands = _linear_like(node, weight_like)
+        operands = linear_like(node, weight_like)
         if operands is not None and why_not_a_site(node, *operands[1:], weight_like) is None:
             site = LinearSite(node, operands[0], operands[1], module_path(node), weight_kn=operands[2])
             site.feeds_cross_entropy = feeds_cross_entropy(node)
@@ -321,59 +334,3 @@ def find_linear_sites(graph: fx.Graph, weight_like: WeightLike, backward: set[fx
                 site.grad_weight = use
                 break
     return sites
-
-
-@dataclasses.dataclass
-class UnmatchedProduct:
-    """A backward ``mm`` of a linear-like forward product that the pass does not rewrite because it
-    found no site for it: the forward is no site, or the product matches neither gradient of its site."""
-
-    node: fx.Node
-    module_path: str
-    path: str  # "gx" or "gw", by the product's output shape
-    reason: str
-    site: LinearSite | None = None  # the site of its forward product, if that is one
-
-
-def _batched_weight(node: fx.Node, weight_like: WeightLike) -> fx.Node | None:
-    """The weight-like operand of a forward ``bmm`` of an activation and a weight (``einsum`` and
-    ``matmul`` of 3-D tensors write a linear this way), or None."""
-    if not weight_like.known:
-        return None
-    a, b = (_view_root(strip_transposes(arg)[0]) for arg in node.args[:2])
-    if weight_like(a) != weight_like(b):
-        return a if weight_like(a) else b
-    return None
-
-
-def find_unmatched_products(
-    graph: fx.Graph, sites: list[LinearSite], weight_like: WeightLike, backward: set[fx.Node]
-) -> list[UnmatchedProduct]:
-    """Every backward ``mm`` or ``bmm`` that autograd derived (by ``seq_nr``) from a forward product of
-    an activation and a weight and that no site claims, with the reason: no such product goes
-    unreported. ``backward`` is the graph's :func:`backward_nodes`, before any rewrite."""
-    claimed = {use.node for site in sites for use in (site.grad_input, site.grad_weight) if use is not None}
-    site_of = {site.linear: site for site in sites}
-    forwards: dict[int, tuple[fx.Node, fx.Node, str | None]] = {}
-    for node in graph.nodes:
-        if node.op != "call_function" or node in backward or node.meta.get("seq_nr") is None:
-            continue
-        if node.target in _LINEAR_OPS and (operands := _linear_like(node, weight_like)) is not None:
-            reason = None if node in site_of else why_not_a_site(node, *operands[1:], weight_like)
-            forwards[node.meta["seq_nr"]] = (node, operands[1], reason)
-        elif node.target is aten.bmm.default and (weight := _batched_weight(node, weight_like)) is not None:
-            reason = "a batched matmul (bmm) of a weight, as einsum writes a linear, is not a site"
-            forwards[node.meta["seq_nr"]] = (node, weight, reason)
-    found = []
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in (aten.mm.default, aten.bmm.default):
-            continue
-        if node not in backward or node in claimed or (forward := forwards.get(node.meta.get("seq_nr"))) is None:
-            continue
-        linear, weight, reason = forward
-        # A weight's gradient has the weight's elements, whatever views einsum puts around them.
-        path = "gw" if statically_known_true(node.meta["val"].numel() == weight.meta["val"].numel()) else "gx"
-        site = site_of.get(linear)
-        reason = reason or "matches neither gradient of this linear (g @ W, gᵀ @ x) through transposes and views"
-        found.append(UnmatchedProduct(node, module_path(linear), path, f"not rewritten: {reason}", site))
-    return found
