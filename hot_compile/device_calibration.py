@@ -10,7 +10,9 @@ from typing import Callable
 
 import torch
 
-from .passes.cost_model import grad_input_cost
+from .config import HotConfig
+from .passes.cost_model import SiteCost, forward_cost, grad_input_cost, grad_weight_cost
+from .passes.numerics import resolve_numerics
 from .runtime.devices import DTYPES, DeviceProfile, cpu_identity
 from .runtime.hadamard import padded_length
 from .runtime.int8_gemm import int8_gemm_kind, int8_matmul, u8s8_linear, u8s8_operand
@@ -56,10 +58,82 @@ def _fitted_transform_rate(profile: DeviceProfile, repeats: int, sites=FIT_SITES
     return denominator / numerator
 
 
+def layer_site_costs(l: int, n: int, k: int, profile: DeviceProfile) -> dict[str, SiteCost]:
+    """The cost model's estimates of the sites of one float32 ``Linear(k, n)`` on ``[l, k]``, at the
+    default numerics resolved for ``profile``: its forward (where ``forward_bits`` rewrites it),
+    grad_input and grad_weight."""
+    flops = profile.matmul_rate(torch.float32)
+    config = resolve_numerics(HotConfig(), profile)
+    sites = {
+        "gx": grad_input_cost(l, n, k, 4, flops, profile, config.gx_bits),
+        "gw": grad_weight_cost(l, n, k, config.rank, 4, flops, profile, config.gw_bits),
+    }
+    if config.forward_bits is not None:
+        sites["fwd"] = forward_cost(l, n, k, 4, flops, profile, config.forward_bits)
+    return sites
+
+
+def _step_seconds(compiled, x, grad, repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        x.grad = None
+        start = time.perf_counter()
+        compiled(x).backward(grad)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def layer_step_seconds(l: int, n: int, k: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of a training step of ``Linear(k, n)`` on ``[l, k]`` compiled by Inductor and by
+    HOT with every site rewritten: (inductor, hot), the variants interleaved so that machine noise
+    hits both alike."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(k, n)
+    x = torch.randn(l, k, requires_grad=True)
+    grad = torch.randn(l, n)
+    variants = {
+        "inductor": torch.compile(layer, backend="inductor"),
+        "hot": torch.compile(layer, backend="hot", options={"policy": "hot", "strict": True}),
+    }
+    for compiled in variants.values():
+        _step_seconds(compiled, x, grad, 2)  # compile and warm up
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, compiled in variants.items():
+            samples[name] += _step_seconds(compiled, x, grad, 1)
+    torch._dynamo.reset()
+    return statistics.median(samples["inductor"]), statistics.median(samples["hot"])
+
+
+# Small layers (L, N, K) whose training step prices an op's fixed cost: at these sizes it is most of
+# the difference between the two variants.
+OVERHEAD_LAYERS = ((512, 64, 64), (512, 256, 256), (2048, 64, 64))
+_OPS_PER_SITE = {"fwd": 1, "gx": 1, "gw": 2}  # grad_weight: HLA, and the forward's compression
+
+
+def _fitted_op_overhead(profile: DeviceProfile, repeats: int, layers=OVERHEAD_LAYERS) -> float:
+    """``o`` such that the cost model's step estimates fit measured training steps of ``layers``.
+
+    Per layer, the residual is the measured difference (HOT − Inductor) less the estimated one at
+    ``o = 0``; ``o`` is the least-squares slope through the origin of the residuals against the number
+    of HOT ops in the layer's step: ``Σ ops·residual / Σ ops²``, and at least 0."""
+    without = dataclasses.replace(profile, op_overhead=0.0)
+    numerator = denominator = 0.0
+    for l, n, k in layers:
+        sites = layer_site_costs(l, n, k, without)
+        inductor, hot = layer_step_seconds(l, n, k, repeats)
+        residual = hot - inductor - sum(c.hot_s - c.original_s for c in sites.values())
+        ops = sum(_OPS_PER_SITE[path] for path in sites)
+        numerator += ops * residual
+        denominator += ops * ops
+    return max(numerator / denominator, 0.0)
+
+
 def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
-    bandwidths, the per-call overhead, and the transform + quantize rate fitted to the compiled HQ op
-    (see :func:`_fitted_transform_rate`)."""
+    bandwidths, the per-call overhead, the transform + quantize rate fitted to the compiled HQ op
+    (see :func:`_fitted_transform_rate`), then the per-op overhead fitted to training steps of small
+    layers (:func:`_fitted_op_overhead`)."""
     flops = {}
     for dtype in DTYPES:
         a = torch.randn(size, size).to(getattr(torch, dtype))
@@ -89,6 +163,8 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         write_bw=write_bw,
         transform_rate=1.0,  # fitted next, from the rates above
         kernel_overhead=kernel_overhead,
+        op_overhead=0.0,  # fitted last, on the other rates
         narrow_int8_ops=narrow_int8_ops,
     )
-    return dataclasses.replace(measured, transform_rate=_fitted_transform_rate(measured, repeats))
+    measured = dataclasses.replace(measured, transform_rate=_fitted_transform_rate(measured, repeats))
+    return dataclasses.replace(measured, op_overhead=_fitted_op_overhead(measured, repeats))

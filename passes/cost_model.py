@@ -6,7 +6,8 @@ element of the float dtype; ``Np = 16·⌈N/16⌉``; ``Lr`` the projected token 
 ``⌊r·L/16⌋`` (:func:`~hot_compile.runtime.hadamard.lowpass_rows`).
 Profile rates: ``F`` float matmul FLOP/s of the dtype, ``I`` integer OP/s at the site's bit width
 (:meth:`~hot_compile.runtime.devices.DeviceProfile.int8_rate`), ``R``/``W`` read/write bytes/s,
-``T`` fused transform+quantize outputs/s, ``c`` seconds per kernel call.
+``T`` fused transform+quantize outputs/s, ``c`` seconds per kernel call, ``o`` seconds per HOT op
+call beyond its kernels (dispatch, and the cold caches it meets in a step).
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ def grad_input_cost(
     """grad_input ``[L, N] @ [N, K]`` with ``bits``-bit HQ operands.
 
     original = ``2LNK/F + LKb/W + c``;
-    HQ = quantize(g: L×N → L·Np) + quantize(W: N×K → Np·K) + ``2·L·Np·K/I`` + dequantize(L×K).
+    HQ = quantize(g: L×N → L·Np) + quantize(W: N×K → Np·K) + ``2·L·Np·K/I`` + dequantize(L×K) + ``o``.
     """
     np_ = BLOCK * _ceil_div(n, BLOCK)
     hot = (
-        quantize_time(l, n, l * np_, elem_bytes, profile)
+        profile.op_overhead
+        + quantize_time(l, n, l * np_, elem_bytes, profile)
         + quantize_time(n, k, np_ * k, elem_bytes, profile)
         + int_matmul_time(l, np_, k, elem_bytes, profile, bits)
     )
@@ -92,11 +94,13 @@ def grad_weight_cost(
 
     original = ``2NLK/F + NKb/W + c``, saving ``L·K·b`` bytes of ``x``;
     HLA+ABC = quantize(g: L×N → Lr·N) + ``2·N·Lr·K/I`` + dequantize(N×K)
-    + the forward's compression quantize(x: L×K → Lr·K), saving ``Lr·K + 4`` bytes.
+    + the forward's compression quantize(x: L×K → Lr·K) + ``2o`` (two ops: HLA and the compression),
+    saving ``Lr·K + 4`` bytes.
     """
     lr = lowpass_rows(l, rank)
     hot = (
-        quantize_time(l, n, lr * n, elem_bytes, profile)
+        2 * profile.op_overhead
+        + quantize_time(l, n, lr * n, elem_bytes, profile)
         + int_matmul_time(n, lr, k, elem_bytes, profile, bits)
         + quantize_time(l, k, lr * k, elem_bytes, profile)
     )
@@ -113,6 +117,6 @@ def forward_cost(l: int, n: int, k: int, elem_bytes: int, flops: float, profile:
     costs with the roles of ``N`` and ``K`` exchanged, the contraction being ``K``.
 
     original = ``2LKN/F + LNb/W + c``;
-    INT = quantize(x: L×K → L·Kp) + quantize(W: N×K → N·Kp) + ``2·L·Kp·N/I`` + dequantize(L×N).
+    INT = quantize(x: L×K → L·Kp) + quantize(W: N×K → N·Kp) + ``2·L·Kp·N/I`` + dequantize(L×N) + ``o``.
     """
     return grad_input_cost(l, k, n, elem_bytes, flops, profile, bits)

@@ -1,5 +1,6 @@
 """Cost model, device profiles and policies."""
 
+import dataclasses
 import json
 
 import pytest
@@ -119,9 +120,9 @@ def test_profile_resolution(monkeypatch, tmp_path):
 
 def test_profile_validation():
     with pytest.raises(ValueError, match="lacks"):
-        devices.DeviceProfile("x", {"float32": 1.0}, 1, 1, 1, 1, 0)
+        devices.DeviceProfile("x", {"float32": 1.0}, 1, 1, 1, 1, 0, 0)
     with pytest.raises(ValueError, match="positive"):
-        devices.DeviceProfile("x", {"float32": 1, "bfloat16": 1, "float16": 0}, 1, 1, 1, 1, 0)
+        devices.DeviceProfile("x", {"float32": 1, "bfloat16": 1, "float16": 0}, 1, 1, 1, 1, 0, 0)
 
 
 def test_calibrate_device_cli(monkeypatch, tmp_path, capsys):
@@ -158,3 +159,30 @@ def test_auto_bits_are_the_widest_at_the_narrowest_rate(profile, bits):
     assert resolved.widest_bits_at_narrowest_rate() == bits
     assert resolve_numerics(HotConfig(), resolved).gx_bits == bits
     assert resolve_numerics(HotConfig(gx_bits=4), resolved).gx_bits == 4
+
+
+def test_each_hot_op_pays_the_op_overhead():
+    """HQ and the integer forward are one op each; HLA+ABC two (its backward op and the forward's
+    compression). The original products pay none of it."""
+    free = dataclasses.replace(CPU, op_overhead=0.0)
+    shape = (512, 64, 64)
+    assert _gx(*shape).hot_s - _gx(*shape, free).hot_s == pytest.approx(CPU.op_overhead)
+    assert _gw(*shape).hot_s - _gw(*shape, free).hot_s == pytest.approx(2 * CPU.op_overhead)
+    assert _gx(*shape).original_s == _gx(*shape, free).original_s
+
+
+def test_op_overhead_is_the_least_squares_fit_of_step_residuals(monkeypatch):
+    """With measured steps that exceed the estimates at o = 0 by 4·o₀ per layer (4 ops: the forward,
+    HQ, HLA and the compression), the fit returns o₀."""
+    from hot_compile import device_calibration
+
+    o = 1.5e-4
+    profile = devices.BUILTIN_PROFILES["cpu-zen4-2core"]
+
+    def steps(l, n, k, repeats):
+        sites = device_calibration.layer_site_costs(l, n, k, dataclasses.replace(profile, op_overhead=0.0))
+        assert set(sites) == {"fwd", "gx", "gw"}
+        return 1.0, 1.0 + sum(c.hot_s - c.original_s for c in sites.values()) + 4 * o
+
+    monkeypatch.setattr(device_calibration, "layer_step_seconds", steps)
+    assert device_calibration._fitted_op_overhead(profile, repeats=1) == pytest.approx(o)

@@ -18,40 +18,23 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
-import time
 
 import torch
 
 import hot_compile
 from hot_compile import HotConfig
-from hot_compile.runtime import devices
-from hot_compile.passes.cost_model import SiteCost, forward_cost, grad_input_cost, grad_weight_cost
+from hot_compile.device_calibration import layer_site_costs, layer_step_seconds
 from hot_compile.passes.decide import decide
-from hot_compile.passes.numerics import resolve_numerics
+from hot_compile.runtime import devices
 
 TOKENS = (64, 512, 2048, 6272)
 # (in_features, out_features)
 FEATURES = ((64, 64), (256, 256), (384, 1536), (768, 768), (768, 3072), (3072, 768), (1024, 4096), (128, 2048), (2048, 128))
 
 
-def site_costs(l: int, n: int, k: int, profile: devices.DeviceProfile) -> dict[str, SiteCost]:
-    """The cost model's estimates of one linear layer's sites, fp32, at the default numerics resolved
-    for ``profile``: its forward (where ``forward_bits`` rewrites it), grad_input and grad_weight."""
-    flops = profile.matmul_rate(torch.float32)
-    config = resolve_numerics(HotConfig(), profile)
-    sites = {
-        "gx": grad_input_cost(l, n, k, 4, flops, profile, config.gx_bits),
-        "gw": grad_weight_cost(l, n, k, config.rank, 4, flops, profile, config.gw_bits),
-    }
-    if config.forward_bits is not None:
-        sites["fwd"] = forward_cost(l, n, k, 4, flops, profile, config.forward_bits)
-    return sites
-
-
 def predict(l: int, n: int, k: int, profile: devices.DeviceProfile) -> tuple[float, float]:
     """Estimated seconds (original, HOT) of one linear layer's step: its sites summed."""
-    sites = site_costs(l, n, k, profile).values()
+    sites = layer_site_costs(l, n, k, profile).values()
     return sum(c.original_s for c in sites), sum(c.hot_s for c in sites)
 
 
@@ -62,43 +45,13 @@ def default_policy_agreement(rows: list[dict], profile: devices.DeviceProfile) -
     config = HotConfig()
     agree = partial = 0
     for r in rows:
-        sites = site_costs(r["L"], r["N"], r["K"], profile)
+        sites = layer_site_costs(r["L"], r["N"], r["K"], profile)
         rewrites = {decide(path, r["L"] * r["N"] * r["K"], cost, config).rewrite for path, cost in sites.items()}
         if len(rewrites) > 1:
             partial += 1
         else:
             agree += rewrites.pop() == (r["hot_ms"] < r["inductor_ms"])
     return agree, partial
-
-
-def _step_time(compiled, x, grad, repeats: int) -> list[float]:
-    samples = []
-    for _ in range(repeats):
-        x.grad = None
-        start = time.perf_counter()
-        compiled(x).backward(grad)
-        samples.append(time.perf_counter() - start)
-    return samples
-
-
-def measure(l: int, n: int, k: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of a training step of ``Linear(k, n)`` on ``[l, k]``: (inductor, hot)."""
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(k, n)
-    x = torch.randn(l, k, requires_grad=True)
-    grad = torch.randn(l, n)
-    variants = {
-        "inductor": torch.compile(layer, backend="inductor"),
-        "hot": torch.compile(layer, backend="hot", options={"policy": "hot", "strict": True}),
-    }
-    for compiled in variants.values():
-        _step_time(compiled, x, grad, 2)  # compile and warm up
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):  # interleaved: machine noise hits both variants alike
-        for name, compiled in variants.items():
-            samples[name] += _step_time(compiled, x, grad, 1)
-    torch._dynamo.reset()
-    return statistics.median(samples["inductor"]), statistics.median(samples["hot"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for l, n, k in shapes:
         est_orig, est_hot = predict(l, n, k, profile)
-        ind, hot = measure(l, n, k, args.repeats)
+        ind, hot = layer_step_seconds(l, n, k, args.repeats)
         right = (est_hot < est_orig) == (hot < ind)
         rows.append(dict(L=l, N=n, K=k, est_original_ms=est_orig * 1e3, est_hot_ms=est_hot * 1e3,
                          inductor_ms=ind * 1e3, hot_ms=hot * 1e3, right=right))  # fmt: skip

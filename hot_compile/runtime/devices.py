@@ -36,6 +36,9 @@ class DeviceProfile:
         transform_rate: outputs/s of a fused block-16 transform + stochastic int8 quantization kernel
             (16 multiply-adds, a hash and a rounding per output).
         kernel_overhead: seconds per kernel or extern call, whatever its size.
+        op_overhead: seconds one of HOT's ops costs in a compiled step beyond its kernels' estimate:
+            its dispatch, its calls into the kernels, and the cold caches it meets between the
+            graph's other kernels (fitted on whole training steps of small layers).
         narrow_int8_ops: the rate on operands of at most 7 bits where it differs from ``int8_ops``: on
             x86 CPUs without VNNI/AMX, oneDNN's uint8 × int8 GEMM (:func:`~hot_compile.runtime.int8_gemm.u8s8_exact`). None: ``int8_ops``.
     """
@@ -47,6 +50,7 @@ class DeviceProfile:
     write_bw: float
     transform_rate: float
     kernel_overhead: float
+    op_overhead: float
     narrow_int8_ops: float | None = None
 
     def __post_init__(self) -> None:
@@ -56,7 +60,7 @@ class DeviceProfile:
         numbers = [*self.matmul_flops.values(), self.int8_ops, self.read_bw, self.write_bw, self.transform_rate]
         if self.narrow_int8_ops is not None:
             numbers.append(self.narrow_int8_ops)
-        if any(not (isinstance(v, (int, float)) and v > 0) for v in numbers) or self.kernel_overhead < 0:
+        if any(not (isinstance(v, (int, float)) and v > 0) for v in numbers) or min(self.kernel_overhead, self.op_overhead) < 0:
             raise ValueError(f"DeviceProfile {self.name!r}: rates must be positive numbers")
         object.__setattr__(self, "matmul_flops", dict(sorted(self.matmul_flops.items())))
 
@@ -84,7 +88,7 @@ class DeviceProfile:
         return cls(**json.loads(text))
 
 
-def _gpu(name, fp32, bf16, int8, bw, overhead=6e-6):
+def _gpu(name, fp32, bf16, int8, bw, overhead=6e-6, op_overhead=3e-5):
     return DeviceProfile(
         name=name,
         matmul_flops={"float32": fp32, "bfloat16": bf16, "float16": bf16},
@@ -93,6 +97,7 @@ def _gpu(name, fp32, bf16, int8, bw, overhead=6e-6):
         write_bw=bw,
         transform_rate=bw / 6,  # memory bound: ~6 bytes moved per output
         kernel_overhead=overhead,
+        op_overhead=op_overhead,  # assumed: a Python dispatch and a few launches; not measured
     )
 
 
@@ -109,6 +114,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             write_bw=4.0e9,
             transform_rate=1.6e9,
             kernel_overhead=2e-5,
+            op_overhead=1e-4,  # not measured on this class: Zen 4's
         ),
         DeviceProfile(
             name="cpu-zen4-2core",  # no AMX: int8 on AVX512-VNNI, no native float16 matmul
@@ -118,6 +124,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             write_bw=2.4e10,
             transform_rate=2.7e9,  # fitted to the HQ op on its CPU kernels (device_calibration.FIT_SITES)
             kernel_overhead=6e-6,
+            op_overhead=1e-4,  # fitted on training steps of small layers (device_calibration.OVERHEAD_LAYERS)
         ),
         DeviceProfile(
             name="cpu-avx2-2core",  # AMD EPYC, AVX2 only: INT4 products on oneDNN's u8s8 GEMM, INT8 on fp32
@@ -127,6 +134,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             write_bw=3.0e10,
             transform_rate=6.3e8,
             kernel_overhead=4e-6,
+            op_overhead=1e-4,  # not measured on this class: Zen 4's
             narrow_int8_ops=2.5e11,
         ),
         DeviceProfile(
@@ -137,6 +145,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             write_bw=3.0e9,
             transform_rate=5.0e8,
             kernel_overhead=2e-5,
+            op_overhead=1e-4,
         ),
         _gpu("gpu-h200", fp32=67e12, bf16=989e12, int8=1979e12, bw=4.8e12),
         _gpu("gpu-h100", fp32=67e12, bf16=989e12, int8=1979e12, bw=3.35e12),
