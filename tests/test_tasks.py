@@ -43,7 +43,7 @@ def test_side_by_side_same_start_same_data():
     task = gpt.ByteLMTask(gpt.TINY, eval_windows=4)
     seen = []
     # The forward exact, so that the first losses compare the starts and the batches alone.
-    variants = [INDUCTOR, Variant("hot", runner.spec("gpt").hot.replace(forward_bits=None))]
+    variants = [INDUCTOR, Variant("hot", runner.EVERY_PRODUCT.replace(forward_bits=None))]
     results = train_side_by_side(
         task, variants, Schedule(steps=3, lr=1e-3), seed=1, progress=lambda step, losses: seen.append(losses)
     )
@@ -60,8 +60,7 @@ def test_side_by_side_same_start_same_data():
 
 
 def test_ablation_harness_runs_every_variant():
-    base = runner.spec("gpt").hot
-    variants = runner.ablation_variants(base)
+    variants = runner.ablation_variants(runner.EVERY_PRODUCT)
     task, results = runner.run("gpt", variants, tiny=True, steps=2)
     assert [r.variant for r in results] == [
         "inductor fp32", "plain INT4 gx", "HQ gx", "HLA gw", "HOT", "HOT rank 8", "paper recipe",
@@ -91,7 +90,7 @@ def test_vit_on_digits_tiny():
     task = vit.DigitsTask()
     assert len(task.train_labels) + len(task.validation_labels) + len(task.test_labels) == 1797
     assert set(task.test_labels.tolist()) == set(range(10)) == set(task.validation_labels.tolist())
-    _, results = runner.run("vit", tiny=True)
+    _, results = runner.run("vit", runner.comparison_variants("vit", policy="hot"), tiny=True)
     assert all({"accuracy", "test_loss", "val_accuracy", "val_loss"} <= set(r.final) for r in results)
     assert results[1].report.select(decision="HQ") and results[1].report.select(decision="HLA+ABC")
 
@@ -123,7 +122,7 @@ def test_minilm_fine_tune_pipeline_on_a_tiny_bert(tmp_path):
     assert ids.shape[1] == minilm.TINY.max_length and set(labels.tolist()) == {0, 1, 2}
     # HOT on the first layer only: every layer is the same graph, and each rewritten site adds kernels
     # to compile.
-    hot = runner.spec("minilm").hot.replace(include=("bert.encoder.layer.0.*",))
+    hot = runner.EVERY_PRODUCT.replace(include=("bert.encoder.layer.0.*",))
     results = train_side_by_side(task, [INDUCTOR, Variant("hot", hot)], minilm.TINY_SCHEDULE)
     assert all({"accuracy", "val_accuracy"} <= set(r.final) for r in results)
     rewritten = {row.module for row in results[1].report.rows if row.decision != "kept"}

@@ -80,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from ..config import HotConfig
     from .tasks import runner
     from .tasks.common import INDUCTOR, Variant, train_side_by_side
 
@@ -89,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     schedule = spec.tiny_schedule if args.tiny else spec.schedule
     if args.steps is not None:
         schedule = dataclasses.replace(schedule, steps=args.steps)
-    size, hot = task.size, HotConfig()
+    size, hot = task.size, spec.hot
     print(
         f"hot-compile demo: byte-level GPT ({size.layers} layers, width {size.dim}, {size.heads} heads, "
         f"context {size.context}, batch {size.batch}) on {len(task.train_data):,} bytes of CPython docs, "

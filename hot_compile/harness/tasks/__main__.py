@@ -5,7 +5,6 @@ the comparison (the numbers in BENCHMARKS.md). ``ablation`` runs task 1 with eac
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -29,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     name = "gpt" if args.task == "ablation" else args.task
     if args.task == "ablation":
-        variants = runner.ablation_variants(dataclasses.replace(runner.spec("gpt").hot, **args.options))
+        variants = runner.ablation_variants(runner.EVERY_PRODUCT.replace(**args.options))
     else:
         variants = runner.comparison_variants(name, **args.options)
 
@@ -53,7 +52,7 @@ def _gradient_errors(args: argparse.Namespace) -> int:
     measured = {}
     for name in runner.TASKS:
         spec = runner.spec(name)
-        options = {"policy": spec.hot.policy, **args.options}
+        options = {"policy": runner.EVERY_PRODUCT.policy, **args.options}
         result = gradient_error(spec.build(args.tiny), options, seed=args.seed)
         measured[name] = {"options": options, **result.as_dict()}
         print(
