@@ -113,5 +113,7 @@ class ByteLMTask:
 
 
 TINY = GPTSize(dim=32, layers=1, heads=2, context=32, batch=4)
-DEFAULT_SCHEDULE = Schedule(steps=2000, lr=3e-3, warmup=20, eval_every=250)
+# Chosen on the validation split with Inductor fp32, seeds 0 and 1: val loss 1.319 at lr 1e-3 (warmup
+# 100), 1.421 at 2e-3, 1.963 at 3e-3 (warmup 20, the width-64 setting, at which seed 1 stalled at 2.37).
+DEFAULT_SCHEDULE = Schedule(steps=2000, lr=1e-3, warmup=100, eval_every=250)
 TINY_SCHEDULE = Schedule(steps=3, lr=3e-3)
