@@ -31,7 +31,8 @@ aten = torch.ops.aten
 
 @dataclasses.dataclass
 class Unbatched:
-    """The ``bmm`` nodes replaced (target, args and meta, to rebuild them) and the nodes created."""
+    """Each ``bmm`` replaced, with its args and meta (to rebuild it) and the node standing in for it;
+    and every node created."""
 
     replaced: list[tuple[fx.Node, tuple, dict, fx.Node]] = dataclasses.field(default_factory=list)
     created: list[fx.Node] = dataclasses.field(default_factory=list)
@@ -97,7 +98,9 @@ def unbatch_weight_products(graph: fx.Graph, weight_like: WeightLike, backward: 
         path = gradient_path(node, weight) if node in backward else "fwd"
         meta = provenance(REWRITE, module_path(node), path, node, "backward" if node in backward else "forward")
         a, b = (operands.as_2d(arg, meta) for arg in node.args[:2])
-        stand_in = insert_traced(graph, lambda x, y: torch.mm(x, y).unsqueeze(0), [a, b], before=node, meta=meta, created=unbatched.created)
+        stand_in = insert_traced(
+            graph, lambda x, y: torch.mm(x, y).unsqueeze(0), [a, b], before=node, meta=meta, created=unbatched.created
+        )
         node.replace_all_uses_with(stand_in)
         unbatched.replaced.append((node, node.args, dict(node.meta), stand_in))
         graph.erase_node(node)
