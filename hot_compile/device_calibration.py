@@ -108,7 +108,6 @@ def layer_step_seconds(l: int, n: int, k: int, repeats: int) -> tuple[float, flo
 # Small layers (L, N, K) whose training step prices an op's fixed cost: at these sizes it is most of
 # the difference between the two variants.
 OVERHEAD_LAYERS = ((512, 64, 64), (512, 256, 256), (2048, 64, 64))
-_OPS_PER_SITE = {"fwd": 1, "gx": 1, "gw": 2}  # grad_weight: HLA, and the forward's compression
 
 
 def _fitted_op_overhead(profile: DeviceProfile, repeats: int, layers=OVERHEAD_LAYERS) -> float:
@@ -116,14 +115,16 @@ def _fitted_op_overhead(profile: DeviceProfile, repeats: int, layers=OVERHEAD_LA
 
     Per layer, the residual is the measured difference (HOT − Inductor) less the estimated one at
     ``o = 0``; ``o`` is the least-squares slope through the origin of the residuals against the number
-    of HOT ops in the layer's step: ``Σ ops·residual / Σ ops²``, and at least 0."""
-    without = dataclasses.replace(profile, op_overhead=0.0)
+    of HOT ops in the layer's step, as many as the cost model charges ``o`` for: ``Σ ops·residual /
+    Σ ops²``, and at least 0."""
+    without, per_op = (dataclasses.replace(profile, op_overhead=o) for o in (0.0, 1.0))
     numerator = denominator = 0.0
     for l, n, k in layers:
         sites = layer_site_costs(l, n, k, without)
         inductor, hot = layer_step_seconds(l, n, k, repeats)
         residual = hot - inductor - sum(c.hot_s - c.original_s for c in sites.values())
-        ops = sum(_OPS_PER_SITE[path] for path in sites)
+        charged = layer_site_costs(l, n, k, per_op)
+        ops = round(sum(charged[path].hot_s - sites[path].hot_s for path in sites))
         numerator += ops * residual
         denominator += ops * ops
     return max(numerator / denominator, 0.0)

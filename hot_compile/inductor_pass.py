@@ -102,7 +102,6 @@ def joint_pass(config: HotConfig | None = None) -> HotJointPass:
     return HotJointPass(config)
 
 
-
 def parameter_inputs(example_inputs: list) -> frozenset[int]:
     """The indices of a Dynamo graph's inputs that are parameters (Dynamo passes them as themselves)."""
     return frozenset(i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter))

@@ -177,9 +177,8 @@ def _numerics(entry: _Planned, config: HotConfig) -> str:
     return describe(entry.path, entry.config, config, site.module_path) + note
 
 
-def _rewrite(graph: fx.Graph, config: HotConfig, weight_like: WeightLike):
+def _rewrite(graph: fx.Graph, config: HotConfig, weight_like: WeightLike, backward: set[fx.Node]):
     """Find, plan and rewrite the sites; returns the rewritten, the planned and the unmatched."""
-    backward = backward_nodes(graph)
     sites = find_linear_sites(graph, weight_like, backward)
     unmatched = find_unmatched_products(graph, sites, weight_like, backward)  # before the rewrites erase any
     planned = _plan_and_rewrite(graph, config, sites)
@@ -209,10 +208,12 @@ def run_hot_pass(
     new nodes are inserted next; only when every rewrite has been built are the old matmuls rewired and
     erased, so an exception leaves the graph as it was.
     """
-    weight_like = WeightLike(graph, parameters)
-    unbatched = unbatch_weight_products(graph, weight_like, backward_nodes(graph))
+    weight_like, backward = WeightLike(graph, parameters), backward_nodes(graph)
+    unbatched = unbatch_weight_products(graph, weight_like, backward)
+    if unbatched.replaced:  # the stand-ins are new nodes, some of them backward ones
+        backward = backward_nodes(graph)
     try:
-        rewritten, planned, unmatched = _rewrite(graph, config, weight_like)
+        rewritten, planned, unmatched = _rewrite(graph, config, weight_like, backward)
     except BaseException:
         unbatched.undo(graph)
         raise

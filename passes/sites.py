@@ -94,10 +94,16 @@ def strip_transposes(node: fx.Node) -> tuple[fx.Node, bool]:
     return node, flipped
 
 
-def view_root(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target in _VIEW_OPS and isinstance(node.args[0], fx.Node):
+def _through(node: fx.Node, ops: tuple) -> fx.Node:
+    """The node ``node``'s values come from, followed back through ``ops`` (each reading its first argument)."""
+    while node.op == "call_function" and node.target in ops and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
+
+
+def view_root(node: fx.Node) -> fx.Node:
+    """The tensor ``node`` is a reshape of."""
+    return _through(node, _VIEW_OPS)
 
 
 def same_value(a: fx.Node, b: fx.Node) -> bool:
@@ -116,16 +122,12 @@ def same_value(a: fx.Node, b: fx.Node) -> bool:
 
 def _weight_source(node: fx.Node) -> fx.Node:
     """The graph input a weight comes from, through casts and views (autocast inserts a cast)."""
-    while node.op == "call_function" and node.target in _CAST_OPS + _VIEW_OPS and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
+    return _through(node, _CAST_OPS + _VIEW_OPS)
 
 
 def storage_source(node: fx.Node) -> fx.Node:
     """The node whose values ``node`` holds, through any permutes, views and casts."""
-    while node.op == "call_function" and node.target in _TRANSPOSE_OPS + _VIEW_OPS + _CAST_OPS:
-        node = node.args[0]
-    return node
+    return _through(node, _TRANSPOSE_OPS + _VIEW_OPS + _CAST_OPS)
 
 
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")

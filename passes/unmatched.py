@@ -29,12 +29,13 @@ aten = torch.ops.aten
 
 @dataclasses.dataclass
 class UnmatchedProduct:
-    """A backward ``mm`` of a linear-like forward product that the pass does not rewrite because it
-    found no site for it: the forward is no site, or the product matches neither gradient of its site."""
+    """A backward ``mm`` or ``bmm`` of a forward product of a weight that the pass does not rewrite
+    because it found no site for it: the forward is no site, or the product matches neither gradient
+    of its site."""
 
     node: fx.Node
     module_path: str
-    path: str  # "gx" or "gw", by the product's output shape
+    path: str  # "gx" or "gw", by :func:`gradient_path`
     reason: str
     site: LinearSite | None = None  # the site of its forward product, if that is one
 
