@@ -8,6 +8,7 @@ profiles its cost model reads); :mod:`hot_compile.inductor_pass` wraps it for In
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch.fx as fx
 from torch._dynamo.utils import counters
@@ -16,12 +17,21 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from ..config import HotConfig
 from ..runtime import ops
 from ..runtime.devices import resolve_profile
-from .cost_model import SiteCost, forward_cost, grad_input_cost, grad_weight_cost
+from .conv_sites import ConvSite, find_conv_sites
+from .cost_model import (
+    SiteCost,
+    conv_grad_input_cost,
+    conv_grad_weight_cost,
+    forward_cost,
+    grad_input_cost,
+    grad_weight_cost,
+)
 from .decide import decide, why_not_selected
-from .legality import why_illegal, why_illegal_forward
+from .legality import why_illegal, why_illegal_conv, why_illegal_forward
 from .numerics import describe, gemm_note, resolve_numerics
 from .rewrite_forward import forward_bias, rewrite_forward
 from .report import Report, SiteRow
+from .rewrite_conv import compressed_conv_input, retire_conv_backward, rewrite_conv_grad_input, rewrite_conv_grad_weight
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
 from .sites import LinearSite, WeightLike, backward_nodes, find_linear_sites, same_value
@@ -40,9 +50,15 @@ def _bytes(val) -> int:
     return _hint(val.numel()) * val.element_size()
 
 
+Site = LinearSite | ConvSite
+
+# Why a convolution's forward product has a kept row where forward_bits asks for integer forwards.
+CONV_FORWARD_KEPT = "the integer forward covers linear layers; a convolution's forward stays exact"
+
+
 @dataclasses.dataclass
 class _Planned:
-    site: LinearSite
+    site: Site
     config: HotConfig  # the site's own, overrides and plan applied
     path: str  # "fwd" | "gx" | "gw"
     decision: str  # "HQ" | "HLA+ABC" | "kept"
@@ -52,17 +68,25 @@ class _Planned:
     replacement: fx.Node | None = None  # stands in for the original mm once everything is built
 
 
-def _profile(site: LinearSite, config: HotConfig, profiles: dict):
-    device = site.x2d.meta["val"].device
+def _profile(site: Site, config: HotConfig, profiles: dict):
+    device = site.activation.meta["val"].device
     if device not in profiles:
         profiles[device] = resolve_profile(device, config.device_profile)
     return profiles[device]
 
 
-def _estimate(site: LinearSite, path: str, config: HotConfig, profile) -> tuple[int, SiteCost]:
+def _estimate(site: Site, path: str, config: HotConfig, profile) -> tuple[int, SiteCost]:
     l, n, k = (_hint(d) for d in site.shapes)
-    val = site.x2d.meta["val"]
+    val = site.activation.meta["val"]
     flops = profile.matmul_rate(val.dtype)
+    if isinstance(site, ConvSite):
+        in_shape = tuple(_hint(d) for d in val.shape)
+        if path == "gx":
+            offsets = math.prod(_hint(d) for d in site.kernel)
+            return l * n * k, conv_grad_input_cost(
+                l, n, k, math.prod(in_shape), offsets, val.element_size(), flops, profile, config.gx_bits
+            )
+        return l * n * k, conv_grad_weight_cost(l, n, k, in_shape, config.rank, val.element_size(), flops, profile, config.gw_bits)
     if path == "fwd":
         return l * n * k, forward_cost(l, n, k, val.element_size(), flops, profile, config.forward_bits)
     if path == "gx":
@@ -70,21 +94,74 @@ def _estimate(site: LinearSite, path: str, config: HotConfig, profile) -> tuple[
     return l * n * k, grad_weight_cost(l, n, k, config.rank, val.element_size(), flops, profile, config.gw_bits)
 
 
-def _shape(site: LinearSite, path: str) -> str:
+def _shape(site: Site, path: str) -> str:
     l, n, k = (_hint(d) for d in site.shapes)
-    return {"fwd": f"{l}×{k} @ {k}×{n}", "gx": f"{l}×{n} @ {n}×{k}"}.get(path, f"{n}×{l} @ {l}×{k}")
+    product = {"fwd": f"{l}×{k} @ {k}×{n}", "gx": f"{l}×{n} @ {n}×{k}"}.get(path, f"{n}×{l} @ {l}×{k}")
+    if isinstance(site, LinearSite):
+        return product
+    kernel = "×".join(str(_hint(d)) for d in site.weight.meta["val"].shape[2:])
+    return f"conv {kernel}/{','.join(map(str, site.stride))}: {product}"
 
 
-def _other_backward_readers(graph: fx.Graph, backward: set[fx.Node], x2d: fx.Node) -> list[str]:
-    """Live ``backward`` nodes that still read ``x2d``'s values (or the tensor it is a view of)."""
-    family = {n for n in graph.nodes if same_value(n, x2d) or n is x2d}
+def _uses(site: Site, forward_bits) -> list[tuple[str, object]]:
+    """The products of ``site`` to plan, by path: a forward where ``forward_bits`` asks for it, and only
+    in a training graph (an inference graph compiles as under Inductor), then the backward ones."""
+    trains = site.grad_input is not None or site.grad_weight is not None
+    forward = _forward(site) if forward_bits is not None and trains else None
+    return [("fwd", forward), ("gx", site.grad_input), ("gw", site.grad_weight)]
+
+
+def _why_not_rewritable(site: Site, path: str, use, config: HotConfig) -> str | None:
+    if isinstance(site, ConvSite):
+        return CONV_FORWARD_KEPT if path == "fwd" else why_illegal_conv(site, path, config)
+    if path == "fwd":
+        return why_illegal_forward(site, forward_bias(site))
+    return why_illegal(site, use, path, config)
+
+
+def _insert_rewrite(graph, site: Site, path: str, config: HotConfig, compressed, created) -> fx.Node:
+    """Insert ``site``'s ``path`` rewrite; returns the node to stand in for the original product."""
+    if isinstance(site, ConvSite):
+        if path == "gx":
+            return rewrite_conv_grad_input(graph, site, config, created)
+        return rewrite_conv_grad_weight(graph, site, config, compressed, created)
+    if path == "fwd":
+        return rewrite_forward(graph, site, config, created)
+    if path == "gx":
+        return rewrite_grad_input(graph, site, config, created)
+    return rewrite_grad_weight(graph, site, config, compressed, created)
+
+
+def _buffers(site: Site, config: HotConfig, compressed: CompressedActivations) -> tuple[fx.Node, fx.Node]:
+    """The compressed buffers ``site``'s rewritten grad_weight reads."""
+    if isinstance(site, ConvSite):
+        return compressed_conv_input(site, config, compressed)
+    return compressed.get(site, config)
+
+
+def _forward(site: Site) -> fx.Node:
+    return site.conv if isinstance(site, ConvSite) else site.linear
+
+
+def _original(site: Site, path: str) -> fx.Node:
+    """The node a rewrite of ``site``'s ``path`` product stands in for."""
+    if path == "fwd":
+        return site.linear
+    if isinstance(site, ConvSite):
+        return site.grad_input if path == "gx" else site.grad_weight
+    return site.grad_input.node if path == "gx" else site.grad_weight.node
+
+
+def _other_backward_readers(graph: fx.Graph, backward: set[fx.Node], activation: fx.Node) -> list[str]:
+    """Live ``backward`` nodes that still read ``activation``'s values (or the tensor it is a view of)."""
+    family = {n for n in graph.nodes if same_value(n, activation) or n is activation}
     family |= {n.args[0] for n in family if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node)}
     return sorted(
         n.name for n in backward if n.users and any(a in family for a in n.all_input_nodes)
     )
 
 
-def _plan_and_rewrite(graph: fx.Graph, config: HotConfig, sites: list[LinearSite]) -> list[_Planned]:
+def _plan_and_rewrite(graph: fx.Graph, config: HotConfig, sites: list[Site]) -> list[_Planned]:
     """Decide every site and insert the rewrites; the graph's old matmuls still stand afterwards."""
     created: list[fx.Node] = []
     compressed = CompressedActivations(graph, created)
@@ -94,34 +171,22 @@ def _plan_and_rewrite(graph: fx.Graph, config: HotConfig, sites: list[LinearSite
         for site in sites:
             profile = _profile(site, config, profiles)
             site_config = resolve_numerics(config.for_module(site.module_path), profile)
-            # A forward is planned where forward_bits asks for it, and only in a training graph: an
-            # inference graph (no backward product of the linear) compiles as under Inductor.
-            trains = site.grad_input is not None or site.grad_weight is not None
-            forward = site.linear if site_config.forward_bits is not None and trains else None
-            for path, use in (("fwd", forward), ("gx", site.grad_input), ("gw", site.grad_weight)):
+            for path, use in _uses(site, site_config.forward_bits):
                 if use is None:
                     continue
                 skipped = why_not_selected(site.module_path, path, site_config, site.feeds_cross_entropy)
-                if path == "fwd":
-                    skipped = skipped or why_illegal_forward(site, forward_bias(site))
-                else:
-                    skipped = skipped or why_illegal(site, use, path, site_config)
+                skipped = skipped or _why_not_rewritable(site, path, use, site_config)
                 if skipped:
                     planned.append(_Planned(site, site_config, path, "kept", skipped, None))
                     continue
                 mnk, cost = _estimate(site, path, site_config, profile)
                 decision = decide(path, mnk, cost, site_config)
                 entry = _Planned(site, site_config, path, "kept", decision.reason, cost)
-                if decision.rewrite and path == "fwd":
-                    entry.decision = "HQ"
-                    entry.replacement = rewrite_forward(graph, site, site_config, created)
-                elif decision.rewrite and path == "gx":
-                    entry.decision = "HQ"
-                    entry.replacement = rewrite_grad_input(graph, site, site_config, created)
-                elif decision.rewrite:
-                    entry.decision = "HLA+ABC"
-                    entry.buffers = compressed.get(site, site_config)
-                    entry.replacement = rewrite_grad_weight(graph, site, site_config, compressed, created)
+                if decision.rewrite:
+                    entry.decision = "HLA+ABC" if path == "gw" else "HQ"
+                    entry.replacement = _insert_rewrite(graph, site, path, site_config, compressed, created)
+                    if path == "gw":
+                        entry.buffers = _buffers(site, site_config, compressed)
                 planned.append(entry)
     except BaseException:
         for node in reversed(created):
@@ -134,10 +199,10 @@ def _row(graph: fx.Graph, backward: set[fx.Node], entry: _Planned, config: HotCo
     site, reason = entry.site, entry.reason
     before = after = None
     if entry.path == "gw":
-        before = after = _bytes(site.x2d.meta["val"])
+        before = after = _bytes(site.activation.meta["val"])
         if entry.buffers is not None:
             after = sum(_bytes(b.meta["val"]) for b in entry.buffers)
-            readers = _other_backward_readers(graph, backward, site.x2d)
+            readers = _other_backward_readers(graph, backward, site.activation)
             if readers:
                 after += before
                 reason += f"; x is still read by backward op(s) {', '.join(readers)}, so it stays saved"
@@ -145,7 +210,7 @@ def _row(graph: fx.Graph, backward: set[fx.Node], entry: _Planned, config: HotCo
         module=site.module_path,
         path=entry.path,
         shape=_shape(site, entry.path),
-        dtype=str(site.x2d.meta["val"].dtype).removeprefix("torch."),
+        dtype=str(site.activation.meta["val"].dtype).removeprefix("torch."),
         decision=entry.decision,
         reason=reason,
         saved_bytes_before=before,
@@ -173,25 +238,26 @@ def _unmatched_row(product: UnmatchedProduct) -> SiteRow:
 def _numerics(entry: _Planned, config: HotConfig) -> str:
     site = entry.site
     shapes = tuple(_hint(d) for d in site.shapes)
-    note = gemm_note(entry.path, entry.config, shapes, site.x2d.meta["val"].device)
+    note = gemm_note(entry.path, entry.config, shapes, site.activation.meta["val"].device)
     return describe(entry.path, entry.config, config, site.module_path) + note
 
 
 def _rewrite(graph: fx.Graph, config: HotConfig, weight_like: WeightLike, backward: set[fx.Node]):
     """Find, plan and rewrite the sites; returns the rewritten, the planned and the unmatched."""
-    sites = find_linear_sites(graph, weight_like, backward)
-    unmatched = find_unmatched_products(graph, sites, weight_like, backward)  # before the rewrites erase any
+    linear_sites = find_linear_sites(graph, weight_like, backward)
+    unmatched = find_unmatched_products(graph, linear_sites, weight_like, backward)  # before the rewrites erase any
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    sites = sorted(linear_sites + find_conv_sites(graph, weight_like, backward), key=lambda s: order[_forward(s)])
     planned = _plan_and_rewrite(graph, config, sites)
     rewritten = [p for p in planned if p.decision != "kept"]
-    for device in {p.site.x2d.meta["val"].device for p in rewritten}:
+    for device in {p.site.activation.meta["val"].device for p in rewritten}:
         ops.prepare(device)
     for entry in rewritten:
-        if entry.path == "fwd":
-            old = entry.site.linear
-        else:
-            old = entry.site.grad_input.node if entry.path == "gx" else entry.site.grad_weight.node
+        old = _original(entry.site, entry.path)
         old.replace_all_uses_with(entry.replacement)
         graph.erase_node(old)
+    for site in {id(p.site): p.site for p in rewritten if isinstance(p.site, ConvSite)}.values():
+        retire_conv_backward(graph, site)
     return rewritten, planned, unmatched
 
 

@@ -13,7 +13,9 @@ call beyond its kernels (dispatch, and the cold caches it meets in a step).
 from __future__ import annotations
 
 import dataclasses
+import math
 
+from ..runtime.conv_ops import WINDOW_BYTES
 from ..runtime.devices import DeviceProfile
 from ..runtime.hadamard import BLOCK, lowpass_rows
 
@@ -120,3 +122,82 @@ def forward_cost(l: int, n: int, k: int, elem_bytes: int, flops: float, profile:
     INT = quantize(x: L×K → L·Kp) + quantize(W: N×K → N·Kp) + ``2·L·Kp·N/I`` + dequantize(L×N) + ``o``.
     """
     return grad_input_cost(l, k, n, elem_bytes, flops, profile, bits)
+
+
+def conv_windows(t: int, k: int, elem_bytes: int) -> int:
+    """Windows the conv ops split ``T`` tokens of ``K``-wide patches into: ``⌈T·K·b / WINDOW_BYTES⌉``
+    (an upper bound: windows hold whole output rows)."""
+    return max(1, _ceil_div(t * k * elem_bytes, WINDOW_BYTES))
+
+
+def _tokens_major(t: int, n: int, elem_bytes: int, profile: DeviceProfile) -> float:
+    """``g`` from ``[B, N, Ho, Wo]`` to ``[T, N]``: ``T·N·b/R + T·N·b/W + c``."""
+    return t * n * elem_bytes / profile.read_bw + t * n * elem_bytes / profile.write_bw + profile.kernel_overhead
+
+
+def conv_grad_input_cost(
+    t: int, n: int, k: int, in_elems: int, offsets: int, elem_bytes: int, flops: float, profile: DeviceProfile, bits: int
+) -> SiteCost:
+    """grad_input of a groups-1 convolution, the patch linear ``[T, N] @ [N, K]`` (``N`` output channels,
+    ``K = kh·kw·Cin``, ``offsets = kh·kw``) folded onto an input of ``in`` elements, with ``bits``-bit HQ
+    operands, in ``w`` windows (:func:`conv_windows`).
+
+    original = ``2TNK/F + in·b/W + c`` (a direct convolution, no patch matrix);
+    HQ = the linear's HQ of ``(T, N, K)``, writing the patches, + the weight quantized again and one more
+    op in each later window (``(w−1)·(quantize(N×K) + o)``) + ``g`` to tokens-major + the fold: the
+    patches read, a float32 accumulator read and written per offset (``T·K·(b + 8)/R``, ``offsets·w``
+    calls) and zeroed, cast and permuted (``in·4/W + in·4/R + in·b/W + 2c``).
+    """
+    windows = conv_windows(t, k, elem_bytes)
+    np_ = BLOCK * _ceil_div(n, BLOCK)
+    hq = grad_input_cost(t, n, k, elem_bytes, flops, profile, bits).hot_s
+    later_windows = (windows - 1) * (quantize_time(n, k, np_ * k, elem_bytes, profile) + profile.op_overhead)
+    fold = (
+        t * k * (elem_bytes + 8) / profile.read_bw
+        + offsets * windows * profile.kernel_overhead
+        + in_elems * 4 / profile.write_bw
+        + in_elems * 4 / profile.read_bw
+        + in_elems * elem_bytes / profile.write_bw
+        + 2 * profile.kernel_overhead
+    )
+    original = 2 * t * n * k / flops + in_elems * elem_bytes / profile.write_bw + profile.kernel_overhead
+    return SiteCost(original, hq + later_windows + _tokens_major(t, n, elem_bytes, profile) + fold)
+
+
+def conv_grad_weight_cost(
+    t: int,
+    n: int,
+    k: int,
+    in_shape: tuple[int, ...],
+    rank: int,
+    elem_bytes: int,
+    flops: float,
+    profile: DeviceProfile,
+    bits: int,
+) -> SiteCost:
+    """grad_weight of a groups-1 convolution, the patch linear ``[N, T] @ [T, K]``, with ``bits``-bit
+    HLA operands, in ``w`` windows (:func:`conv_windows`); the forward saves its input ``x: in_shape``
+    (``in`` elements, ``Cin = in_shape[1]``) in int8 rather than the patches.
+
+    original = ``2NTK/F + NKb/W + c``, saving ``in·b`` bytes of ``x``;
+    HLA = the forward's int8 compression of ``x`` (``2·in·b/R + in/W + c``) + the backward's dequantize
+    and padded channels-last copy (``in·(1 + b)/R + 2·in·b/W + 2c``) + the patches gathered
+    (``T·K·b/R + T·K·b/W + w·c``) + ``g`` to tokens-major + the linear's HLA+ABC of ``(T, N, K)``
+    + per later window two more ops, and each window's ``N×K`` float32 product added to the total
+    (``w·N·K·8/R + (w−1)·2o``), saving ``in + 4·Cin`` bytes.
+    """
+    in_elems = math.prod(in_shape)
+    windows = conv_windows(t, k, elem_bytes)
+    compress = 2 * in_elems * elem_bytes / profile.read_bw + in_elems / profile.write_bw + profile.kernel_overhead
+    dequantize = (
+        in_elems * (1 + elem_bytes) / profile.read_bw + 2 * in_elems * elem_bytes / profile.write_bw + 2 * profile.kernel_overhead
+    )
+    gather = t * k * elem_bytes / profile.read_bw + t * k * elem_bytes / profile.write_bw + windows * profile.kernel_overhead
+    totals = windows * n * k * 8 / profile.read_bw + (windows - 1) * 2 * profile.op_overhead
+    hla = grad_weight_cost(t, n, k, rank, elem_bytes, flops, profile, bits)
+    return SiteCost(
+        hla.original_s,
+        hla.hot_s + compress + dequantize + gather + _tokens_major(t, n, elem_bytes, profile) + totals,
+        saved_bytes_before=in_elems * elem_bytes,
+        saved_bytes_after=in_elems + 4 * in_shape[1],
+    )

@@ -8,13 +8,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import HotConfig
 from ..runtime.hadamard import lowpass_rows
+from .conv_sites import ConvSite
 from .sites import LinearSite, MatmulUse
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 
 
-def _cuda_int_mm_problem(site: LinearSite, path: str) -> str | None:
+def _cuda_int_mm_problem(site: LinearSite | ConvSite, path: str) -> str | None:
     """cuBLASLt's int8 GEMM needs M > 16 and K, N multiples of 8 (``torch._int_mm`` on CUDA); HLA's
     contraction is padded to a multiple of 8 by ``ops.int8_matmul``."""
     l, n, k = site.shapes
@@ -73,5 +74,38 @@ def why_illegal(site: LinearSite, use: MatmulUse, path: str, config: HotConfig) 
     if path == "gw" and statically_known_true(lowpass_rows(site.shapes[0], config.rank) == 0):
         return f"rank {config.rank} keeps no row of L = {site.shapes[0]} tokens"
     if out.device.type == "cuda":
+        return _cuda_int_mm_problem(site, path)
+    return None
+
+
+def why_illegal_conv(site: ConvSite, path: str, config: HotConfig) -> str | None:
+    """The reason the ``path`` ("gx"/"gw") product of the convolution ``site`` cannot be rewritten, or
+    None when it can: a 2-D, groups-1, non-transposed convolution of supported dtype and device."""
+    if site.backward is None:
+        return "no convolution_backward of this convolution in the graph"
+    weight = site.weight.meta.get("val")
+    values = [site.conv.meta.get("val"), site.x.meta.get("val"), weight, site.backward.args[0].meta.get("val")]
+    if any(v is None for v in values):
+        return "no fake-tensor metadata on the operands"
+    if site.transposed:
+        return "transposed convolution: HOT covers the forward convolution's backward products"
+    if weight.dim() != 4:
+        return f"{weight.dim() - 2}-D convolution: HOT covers 2-D convolutions"
+    if site.groups != 1:
+        kind = "depthwise" if statically_known_true(values[1].shape[1] == site.groups) else "grouped"
+        return (
+            f"{kind} convolution (groups={site.groups}): each group contracts {weight.shape[1]} input "
+            "channel(s) per output, too few for an integer product to pay; kept exact"
+        )
+    problem = _unsupported(values)
+    if problem:
+        return problem
+    if not all(isinstance(d, int) for d in values[1].shape[2:]):
+        return "the input's spatial size is symbolic: the fold of grad_input needs it as a number"
+    if any(statically_known_true(d == 0) for d in site.shapes):
+        return "zero-size convolution"
+    if path == "gw" and statically_known_true(lowpass_rows(site.shapes[0], config.rank) == 0):
+        return f"rank {config.rank} keeps no row of T = {site.shapes[0]} tokens"
+    if values[0].device.type == "cuda":
         return _cuda_int_mm_problem(site, path)
     return None

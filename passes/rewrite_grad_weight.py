@@ -8,6 +8,8 @@ becomes ``hot_compile::hla_grad_weight(g, x_q, s_x, seed)``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -22,29 +24,35 @@ REWRITE = "hla_grad_weight"
 
 
 class CompressedActivations:
-    """One compressed buffer per distinct forward input and (rank, bits, scales): q, k and v
-    projections share theirs."""
+    """One compressed buffer per distinct forward input and numerics: q, k and v projections share
+    theirs, as do the convolutions that read one input."""
 
     def __init__(self, graph: fx.Graph, created: list[fx.Node]):
         self.graph, self.created = graph, created
-        self.entries: list[tuple[fx.Node, tuple[int, int, bool], tuple[fx.Node, fx.Node]]] = []
+        self.entries: list[tuple[fx.Node, tuple, tuple[fx.Node, fx.Node]]] = []
+
+    def buffers(self, x: fx.Node, numerics: tuple, compress: Callable, meta: dict, before: fx.Node) -> tuple[fx.Node, fx.Node]:
+        """``compress(x)``'s two nodes, inserted before ``before`` unless an input of the same values and
+        ``numerics`` has them already; marked MUST_SAVE so the partitioner saves them rather than
+        recomputing them from ``x`` in the backward."""
+        for seen, entry_numerics, buffers in self.entries:
+            if entry_numerics == numerics and same_value(seen, x):
+                return buffers
+        buffers = insert_traced(self.graph, compress, [x], before=before, meta=meta, created=self.created)
+        for node in buffers:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        self.entries.append((x, numerics, buffers))
+        return buffers
 
     def get(self, site: LinearSite, config: HotConfig) -> tuple[fx.Node, fx.Node]:
+        """The ABC buffer of a linear's input: its rank-``config.rank`` projection in ``gw_bits``."""
         rank, bits, per_channel = config.rank, config.gw_bits, config.gw_quantizer == "per_channel"
-        numerics = (rank, bits, per_channel)
-        for x2d, entry_numerics, buffers in self.entries:
-            if entry_numerics == numerics and same_value(x2d, site.x2d):
-                return buffers
 
         def compress(x):
             return ops.compress_activation(x, rank, bits, per_channel)
 
         meta = provenance(COMPRESS, site.module_path, "gw", site.x2d, "forward")
-        buffers = insert_traced(self.graph, compress, [site.x2d], before=site.x2d.next, meta=meta, created=self.created)
-        for node in buffers:
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-        self.entries.append((site.x2d, numerics, buffers))
-        return buffers
+        return self.buffers(site.x2d, (COMPRESS, rank, bits, per_channel), compress, meta, site.x2d.next)
 
 
 def rewrite_grad_weight(

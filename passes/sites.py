@@ -65,6 +65,11 @@ class LinearSite:
     weight_kn: bool = False  # ``weight`` holds Wᵀ, [K, N] (Conv1D, x @ W) rather than W, [N, K]
 
     @property
+    def activation(self) -> fx.Node:
+        """The forward tensor grad_weight reads (what the forward saves for it)."""
+        return self.x2d
+
+    @property
     def shapes(self) -> tuple:
         """(L, N, K) as ints or SymInts."""
         (l, k), w = self.x2d.meta["val"].shape, self.weight.meta["val"].shape

@@ -70,3 +70,12 @@ GRADIENT_ERROR_PER_SAMPLING_NOISE = 0.1
 # Training tasks: both backends start from one model and one batch, and HOT with forward_bits=None
 # changes only the backward, so their first losses agree up to Inductor fusing the forward differently.
 TASK_FIRST_LOSS_RTOL = 1e-5
+
+# Convolutions (groups = 1) over their im2col matrix. grad_input is HQ's product, whose patches the
+# fold sums exactly: INT8_PER_SLICE_PRODUCT. grad_weight rounds three operands, not two: the forward
+# saves x in int8 (one scale per channel), and the backward quantizes the patches of that x and g;
+# three independent roundings of the per-slice rule's size give √(3/2) times its two.
+CONV_HLA_PRODUCT = INT8_PER_SLICE_PRODUCT * 1.5**0.5
+# A small ResNet-style stack: a parameter's gradient carries its own grad_weight error and those of the
+# ≤ MAX_STACKED_GRAD_INPUTS rewritten grad_inputs above it, independent, so in quadrature.
+E2E_GRAD_CONV = (CONV_HLA_PRODUCT**2 + MAX_STACKED_GRAD_INPUTS * INT8_PER_SLICE_PRODUCT**2) ** 0.5

@@ -1,6 +1,6 @@
 """Do the tests notice when nothing is rewritten? Run them with HOT's site finder stubbed out.
 
-With ``find_linear_sites`` returning no site, training still runs and every graph compiles exactly as
+With ``find_linear_sites`` and ``find_conv_sites`` returning no site, training still runs and every graph compiles exactly as
 under Inductor, so a test that passes anyway never relied on a rewrite. The stub is a ``.pth`` file in
 this environment's site-packages for the length of the run, so that every Python process the tests
 start has it too, whatever environment they give it. It notes each test that ran the pass; those
@@ -38,19 +38,21 @@ def _no_sites(graph, *args, **kwargs):
     return []
 
 
+_FINDERS = {"hot_compile.passes.sites": "find_linear_sites", "hot_compile.passes.conv_sites": "find_conv_sites"}
+
+
 class _NoSites(importlib.abc.MetaPathFinder):
-    """Stubs hot_compile.passes.sites.find_linear_sites as soon as the module has run, before the
-    driver imports the name."""
+    """Stubs each site finder as soon as its module has run, before the driver imports the name."""
 
     def find_spec(self, name, path, target=None):
-        if name != "hot_compile.passes.sites":
+        if name not in _FINDERS:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         run = spec.loader.exec_module
 
         def exec_module(module):
             run(module)
-            module.find_linear_sites = _no_sites
+            setattr(module, _FINDERS[name], _no_sites)
 
         spec.loader.exec_module = exec_module
         return spec

@@ -12,12 +12,21 @@ import torch
 import torch.fx as fx
 
 from ..passes.provenance import META_KEY
+from ..passes import rewrite_conv
 from ..passes.rewrite_grad_input import REWRITE as HQ
 from ..passes.rewrite_grad_weight import COMPRESS, REWRITE as HLA
 
 
-_REWRITE_COLORS = {HQ: "#f4a261", HLA: "#2a9d8f", COMPRESS: "#8ab17d"}
-_FLOAT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+_REWRITE_COLORS = {
+    HQ: "#f4a261",
+    HLA: "#2a9d8f",
+    COMPRESS: "#8ab17d",
+    rewrite_conv.REWRITE_GX: "#f4a261",
+    rewrite_conv.REWRITE_GW: "#2a9d8f",
+    rewrite_conv.COMPRESS: "#8ab17d",
+}
+aten = torch.ops.aten
+_FLOAT_MATMULS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.convolution_backward.default}
 _CHAR_W, _BOX_H, _ROW_GAP, _COL_GAP, _MARGIN, _LEGEND_H = 6.6, 34, 44, 14, 20, 70
 
 

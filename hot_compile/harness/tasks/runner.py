@@ -31,6 +31,12 @@ def _vit(tiny: bool) -> Task:
     return vit.DigitsTask(vit.TINY, limit=64) if tiny else vit.DigitsTask()
 
 
+def _cnn(tiny: bool) -> Task:
+    from . import cnn
+
+    return cnn.DigitsCNNTask(cnn.TINY, limit=64) if tiny else cnn.DigitsCNNTask(cnn.CNNSize())
+
+
 def _minilm(tiny: bool) -> Task:
     from . import minilm
 
@@ -47,16 +53,17 @@ EVERY_PRODUCT = DEFAULTS.replace(policy="hot")
 
 
 def _specs() -> dict[str, TaskSpec]:
-    from . import gpt, minilm, vit
+    from . import cnn, gpt, minilm, vit
 
     return {
         "gpt": TaskSpec(_gpt, gpt.DEFAULT_SCHEDULE, gpt.TINY_SCHEDULE, DEFAULTS),
         "vit": TaskSpec(_vit, vit.DEFAULT_SCHEDULE, vit.TINY_SCHEDULE, DEFAULTS),
         "minilm": TaskSpec(_minilm, minilm.DEFAULT_SCHEDULE, minilm.TINY_SCHEDULE, DEFAULTS),
+        "cnn": TaskSpec(_cnn, cnn.DEFAULT_SCHEDULE, cnn.TINY_SCHEDULE, DEFAULTS),
     }
 
 
-TASKS = ("gpt", "vit", "minilm")
+TASKS = ("gpt", "vit", "minilm", "cnn")
 
 
 def spec(name: str) -> TaskSpec:
