@@ -31,7 +31,7 @@ demo: $(STAMP)
 
 # The training results of BENCHMARKS.md (tens of minutes on 2 cores).
 training-benchmarks: $(TASKS_STAMP)
-	for task in gpt vit minilm ablation; do $(PY) -m hot_compile.harness.tasks $$task || exit 1; done
+	for task in gpt vit minilm cnn ablation; do $(PY) -m hot_compile.harness.tasks $$task || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info hot_dump hot_demo

@@ -176,28 +176,26 @@ def conv_grad_weight_cost(
     bits: int,
 ) -> SiteCost:
     """grad_weight of a groups-1 convolution, the patch linear ``[N, T] @ [T, K]``, with ``bits``-bit
-    HLA operands, in ``w`` windows (:func:`conv_windows`); the forward saves its input ``x: in_shape``
+    HLA operands, in ``w`` windows (:func:`conv_windows` of float32 patches); the forward saves its input ``x: in_shape``
     (``in`` elements, ``Cin = in_shape[1]``) in int8 rather than the patches.
 
     original = ``2NTK/F + NKb/W + c``, saving ``in·b`` bytes of ``x``;
-    HLA = the forward's int8 compression of ``x`` (``2·in·b/R + in/W + c``) + the backward's dequantize
-    and padded channels-last copy (``in·(1 + b)/R + 2·in·b/W + 2c``) + the patches gathered
-    (``T·K·b/R + T·K·b/W + w·c``) + ``g`` to tokens-major + the linear's HLA+ABC of ``(T, N, K)``
-    + per later window two more ops, and each window's ``N×K`` float32 product added to the total
-    (``w·N·K·8/R + (w−1)·2o``), saving ``in + 4·Cin`` bytes.
+    HLA = the forward's int8 compression of ``x`` (``2·in·b/R + in/W + c``) + the backward's padded
+    channels-last int8 copy (``in/R + in/W + c``) + the int8 patches gathered and dequantized through
+    float32 (``T·K·6/R + T·K·(5 + b)/W + 3w·c``) + ``g`` to tokens-major + the linear's HLA+ABC of
+    ``(T, N, K)`` + per later window two more ops, and each window's ``N×K`` float32 product added to
+    the total (``w·N·K·8/R + (w−1)·2o``), saving ``in + 4·Cin`` bytes.
     """
     in_elems = math.prod(in_shape)
-    windows = conv_windows(t, k, elem_bytes)
+    windows = conv_windows(t, k, 4)
     compress = 2 * in_elems * elem_bytes / profile.read_bw + in_elems / profile.write_bw + profile.kernel_overhead
-    dequantize = (
-        in_elems * (1 + elem_bytes) / profile.read_bw + 2 * in_elems * elem_bytes / profile.write_bw + 2 * profile.kernel_overhead
-    )
-    gather = t * k * elem_bytes / profile.read_bw + t * k * elem_bytes / profile.write_bw + windows * profile.kernel_overhead
+    pad = in_elems / profile.read_bw + in_elems / profile.write_bw + profile.kernel_overhead
+    gather = t * k * 6 / profile.read_bw + t * k * (5 + elem_bytes) / profile.write_bw + 3 * windows * profile.kernel_overhead
     totals = windows * n * k * 8 / profile.read_bw + (windows - 1) * 2 * profile.op_overhead
     hla = grad_weight_cost(t, n, k, rank, elem_bytes, flops, profile, bits)
     return SiteCost(
         hla.original_s,
-        hla.hot_s + compress + dequantize + gather + _tokens_major(t, n, elem_bytes, profile) + totals,
+        hla.hot_s + compress + pad + gather + _tokens_major(t, n, elem_bytes, profile) + totals,
         saved_bytes_before=in_elems * elem_bytes,
         saved_bytes_after=in_elems + 4 * in_shape[1],
     )

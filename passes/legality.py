@@ -101,7 +101,7 @@ def why_illegal_conv(site: ConvSite, path: str, config: HotConfig) -> str | None
     if problem:
         return problem
     if not all(isinstance(d, int) for d in values[1].shape[2:]):
-        return "the input's spatial size is symbolic: the fold of grad_input needs it as a number"
+        return "the input's spatial size is symbolic: the rewritten backward builds grad_input at a fixed input size"
     if any(statically_known_true(d == 0) for d in site.shapes):
         return "zero-size convolution"
     if path == "gw" and statically_known_true(lowpass_rows(site.shapes[0], config.rank) == 0):

@@ -28,14 +28,15 @@ def _tiny(tmp_path, *extra):
     return ["bench", "--tiny", "--warm-cache", "--out", str(tmp_path / "out"), *extra]
 
 
-def test_cli_runs_mlp_and_vit_and_writes_table_json_chart(tmp_path):
+def test_cli_runs_mlp_vit_resnet_and_writes_table_json_chart(tmp_path):
     md = tmp_path / "BENCHMARKS.md"
     md.write_text("# Benchmarks\n\n## Training fidelity\n\nkept as it is\n")
-    assert cli.main(_tiny(tmp_path, "--models", "mlp,vit", "--variants", "inductor-fp32,hot-fp32", "--benchmarks-md", str(md))) == 0
+    models = "mlp,vit,resnet"
+    assert cli.main(_tiny(tmp_path, "--models", models, "--variants", "inductor-fp32,hot-fp32", "--benchmarks-md", str(md))) == 0
 
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert [c["model"] for c in result["cases"]] == ["mlp", "vit"]
-    assert result["machine"]["torch"] and result["command"].startswith("hot-compile bench --models mlp,vit")
+    assert [c["model"] for c in result["cases"]] == ["mlp", "vit", "resnet"]
+    assert result["machine"]["torch"] and result["command"].startswith(f"hot-compile bench --models {models}")
     # The machine's own speed at the start and the end, for comparing runs made at different times.
     assert all(result["matmul_gflops"][k] > 0 for k in ("start", "end"))
     for case in result["cases"]:
@@ -45,8 +46,8 @@ def test_cli_runs_mlp_and_vit_and_writes_table_json_chart(tmp_path):
             assert all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) for k in FIGURES), row
             assert len(row["bwd_ms_all"]) == bench_cases.TINY["repeats"]
         assert rows["inductor-fp32"]["bwd_vs_inductor_fp32"] == 1
-        # HOT saves an int8 buffer instead of the float32 inputs of its linears: a quarter of the bytes
-        # at the default rank 16, plus one float32 scale per channel (small next to the tokens).
+        # HOT saves an int8 buffer instead of the float32 inputs of its linears and convolutions: a
+        # quarter of the bytes at the default rank 16, plus one float32 scale per channel.
         assert rows["hot-fp32"]["saved_bytes"] < rows["inductor-fp32"]["saved_bytes"]
         assert rows["hot-fp32"]["hot_sites"] and rows["hot-fp32"]["abc_saved_vs_fp32_input_max"] < 0.3
         assert rows["inductor-fp32"]["grad_rel_err"] < 1e-4
@@ -114,7 +115,7 @@ def test_update_section_replaces_only_its_own_section(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "bad", [{"models": ("resnet",)}, {"variants": ()}, {"repeats": 0}, {"hot_policy": "fast"}, {"hot_forward_bits": 9}]
+    "bad", [{"models": ("resnet50",)}, {"variants": ()}, {"repeats": 0}, {"hot_policy": "fast"}, {"hot_forward_bits": 9}]
 )
 def test_bad_spec_rejected(bad):
     with pytest.raises(ValueError):

@@ -2,6 +2,8 @@
 against float64, and the pass on ResNet-style stacks. Each end-to-end test asserts what was rewritten
 (rows, the ops in the backward graph) and what was kept, and why."""
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -213,6 +215,14 @@ def test_conv1d_is_kept_with_reason():
     assert rows and all(r.decision == "kept" and "1-D convolution" in r.reason for r in rows)
 
 
+def test_symbolic_spatial_size_is_kept_with_reason():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    compiled = torch.compile(model, backend="hot", options={"policy": "hot", "strict": True}, dynamic=True)
+    compiled(torch.randn(2, 3, 8, 8)).sum().backward()
+    rows = [r for r in hot_compile.last_report() if r.path != "fwd"]
+    assert len(rows) == 3 and all(r.decision == "kept" and "spatial size is symbolic" in r.reason for r in rows)
+
+
 @pytest.mark.parametrize("rewritten", ["gx", "gw"])
 def test_one_product_rewritten_leaves_the_other_exact(rewritten):
     """With only grad_input rewritten, the convolution_backward computes grad_weight and the bias; with
@@ -247,3 +257,18 @@ def test_conv_sites_through_inductor():
     report = hot_compile.last_report()
     assert {(r.module, r.path) for r in report if r.decision != "kept"} >= {(m, "gw") for m in GROUPS_1}
     assert max(errors.values()) < tol.E2E_GRAD_CONV
+
+
+def test_dump_covers_conv_sites(tmp_path):
+    model = small_resnet()
+    config = {"policy": "hot", "strict": True, "dump_dir": str(tmp_path)}
+    torch.compile(model, backend="hot", options=config)(torch.randn(2, 3, 8, 8)).sum().backward()
+    folder = tmp_path / "0_0"
+    after, picture = (folder / "joint_after.py").read_text(), (folder / "backward.svg").read_text()
+    for rewrite in ("conv_hq_grad_input", "conv_hla_grad_weight", "compress_conv_input"):
+        assert f"'rewrite': '{rewrite}'" in after  # provenance kept in the dump
+    assert "conv_hq_grad_input" in picture and "conv_hla_grad_weight" in picture  # the backward region
+    rows = json.loads((folder / "report.json").read_text())["rows"]
+    assert {(r["module"], r["decision"]) for r in rows if r["path"] == "gw"} == {
+        ("0", "HLA+ABC"), ("2.conv1", "HLA+ABC"), ("2.conv2", "HLA+ABC"), ("2.shortcut", "HLA+ABC"), ("2.depthwise", "kept")
+    }

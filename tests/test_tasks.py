@@ -95,6 +95,15 @@ def test_vit_on_digits_tiny():
     assert results[1].report.select(decision="HQ") and results[1].report.select(decision="HLA+ABC")
 
 
+def test_cnn_on_digits_tiny():
+    pytest.importorskip("sklearn", reason="task 4 needs scikit-learn's bundled digits")
+    _, results = runner.run("cnn", runner.comparison_variants("cnn", policy="hot"), tiny=True)
+    assert all({"accuracy", "val_accuracy"} <= set(r.final) for r in results)
+    rewritten = {(row.module, row.path) for row in results[1].report.rows if row.decision != "kept"}
+    assert {("stem", "gw"), ("blocks.1.conv1", "gx"), ("blocks.1.shortcut", "gw")} <= rewritten
+    assert ("head", "gx") not in rewritten  # the loss head stays exact
+
+
 def _tiny_bert_dir(path):
     """A randomly initialised two-layer BERT with a word-level vocabulary, in Hugging Face layout."""
     from transformers import BertConfig, BertModel, BertTokenizerFast

@@ -9,6 +9,7 @@ the bytes saved for backward, with ratios against Inductor bf16 (the variant a u
 bf16 runs; Inductor fp32 where bf16 is not measured).
 
     python tools/step_memory.py --out benchmarks/memory-zen4    # writes step_memory.{json,md}
+    python tools/step_memory.py --models resnet --hot-policy hot --out benchmarks/memory-zen4-conv
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ MIB = 1 << 20
 WARMUP = 2
 
 
-def _child(model: str, variant: str, threads: int) -> dict:
+def _child(model: str, variant: str, threads: int, hot_policy: str | None) -> dict:
     import torch
 
     from hot_compile.harness import bench_cases
 
     torch.set_num_threads(threads)
-    spec = bench_cases.BenchSpec(models=(model,), variants=(variant,), fresh_cache=False)
+    spec = bench_cases.BenchSpec(models=(model,), variants=(variant,), fresh_cache=False, hot_policy=hot_policy)
     case = bench_cases.build_case(model, spec)
     if isinstance(case, str):
         return {"model": model, "variant": variant, "skipped": case}
@@ -73,21 +74,24 @@ def _markdown(rows: list[dict], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hot_compile.config import POLICIES
     from hot_compile.harness import bench, bench_cases
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     bench.add_selection_arguments(parser, bench_cases.HOT_AND_INDUCTOR)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hot-policy", choices=POLICIES, default=None, help="HotConfig.policy of the hot variants (default: none given)")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(_child(*args.child, args.threads)))
+        print(json.dumps(_child(*args.child, args.threads, args.hot_policy)))
         return 0
     rows = []
     for model in args.models:
         for variant in args.variants:
             command = [sys.executable, __file__, "--child", model, variant, "--threads", str(args.threads), "--out", "-"]
+            command += ["--hot-policy", args.hot_policy] if args.hot_policy else []
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)

@@ -168,7 +168,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         row["compile_vs_same_precision"] = ratio(row, same, "compile_s")
         row["model_compile_vs_same_precision"] = ratio(row, same, "model_compile_s")
         sites = [s for s in row["hot_sites"] if s.get("decision") == "HLA+ABC" and s.get("saved_bytes_after")]
-        # Bytes the backward keeps of each rewritten linear's input, over that input in float32.
+        # Bytes the backward keeps of each rewritten linear's or convolution's input, over that input in float32.
         fp32_input = [s["saved_bytes_before"] * 4 // _itemsize(s["dtype"]) for s in sites]
         row["abc_saved_vs_fp32_input_max"] = max(
             (s["saved_bytes_after"] / b for s, b in zip(sites, fp32_input)), default=None

@@ -16,9 +16,9 @@ import torch.nn as nn
 from ..config import POLICIES, HotConfig
 from ..observability.memory import saved_for_backward_bytes
 from ..runtime import ops
-from .models import MLP, LastHiddenState, ViTStack
+from .models import MLP, LastHiddenState, ResNetStack, ViTStack
 
-MODELS = ("mlp", "vit", "minilm")
+MODELS = ("mlp", "vit", "minilm", "resnet")
 VARIANTS = ("inductor-fp32", "inductor-bf16", "hot-fp32", "hot-bf16", "torchao-int8")
 # HOT and Inductor at both precisions: the variants whose ratios the speed goals name.
 HOT_AND_INDUCTOR = VARIANTS[:4]
@@ -47,6 +47,9 @@ class BenchSpec:
     vit_depth: int = 4
     minilm_batch: int = 32
     minilm_tokens: int = 128
+    resnet_channels: int = 64
+    resnet_size: int = 56
+    resnet_depth: int = 2
     warmup: int = 3
     repeats: int = 10
     inputs: int = 3
@@ -81,7 +84,7 @@ def hot_options(policy: str | None, forward_bits: int | None = None) -> dict[str
 # Smoke sizes, at which the default policy keeps every site as too small: the smoke run forces them.
 TINY = dict(
     batch=2, mlp_tokens=24, mlp_dim=32, mlp_hidden=64, vit_tokens=17, vit_dim=32, vit_heads=2, vit_depth=1,
-    minilm_batch=2, minilm_tokens=16, warmup=1, repeats=3, inputs=2, hot_policy="hot",
+    minilm_batch=2, minilm_tokens=16, resnet_channels=8, resnet_size=8, resnet_depth=1, warmup=1, repeats=3, inputs=2, hot_policy="hot",
 )  # fmt: skip
 
 
@@ -130,6 +133,15 @@ def build_case(name: str, spec: BenchSpec) -> Case | str:
         return Case(
             name, f"ViT-S/16-shaped stack: {spec.vit_depth} blocks, dim {d}, {spec.vit_heads} heads, [{b}, {t}, {d}]",
             _seeded(spec.seed, lambda: ViTStack(d, spec.vit_heads, spec.vit_depth)), inputs, input_grad=True,
+        )  # fmt: skip
+    if name == "resnet":
+        b, c, hw = spec.batch, spec.resnet_channels, spec.resnet_size
+        inputs = [
+            (torch.randn(b, c, hw, hw, generator=gen).relu(), torch.randn(b, c, hw, hw, generator=gen)) for _ in range(spec.inputs)
+        ]
+        return Case(
+            name, f"ResNet stage: {spec.resnet_depth} basic blocks of 3×3 convolutions, BatchNorm, [{b}, {c}, {hw}, {hw}]",
+            _seeded(spec.seed, lambda: ResNetStack(c, spec.resnet_depth)), inputs, input_grad=True,
         )  # fmt: skip
     if name == "minilm":
         try:

@@ -87,9 +87,10 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
             if r.get("abc_saved_vs_fp32_input_max") is not None:
                 lines += [
                     "",
-                    f"{r['variant']}: each rewritten linear keeps at most "
+                    f"{r['variant']}: each rewritten linear or convolution keeps at most "
                     f"{r['abc_saved_vs_fp32_input_max']:.4f} × the bytes of its float32 input "
-                    "(rank r keeps r/64 plus one scale per channel: 1/4 at rank 16, 1/8 at rank 8).",
+                    "(a linear at rank r keeps r/64 plus one scale per channel: 1/4 at rank 16, 1/8 at rank 8; "
+                    "a convolution 1/4 plus one scale per channel).",
                 ]
     for name, why in result.get("skipped", {}).items():
         lines += ["", f"**{name}**: skipped, {why}."]

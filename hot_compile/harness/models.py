@@ -79,6 +79,31 @@ class ViTStack(nn.Module):
         return self.norm(x)
 
 
+class BasicBlock(nn.Module):
+    """ResNet's basic block at one width: 3×3 conv, BatchNorm, ReLU, 3×3 conv, BatchNorm, plus the input."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+class ResNetStack(nn.Module):
+    """Basic blocks at one width and resolution (ResNet-18/34's first stage without its stem)."""
+
+    def __init__(self, channels: int, depth: int):
+        super().__init__()
+        self.blocks = nn.Sequential(*(BasicBlock(channels) for _ in range(depth)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
 class LastHiddenState(nn.Module):
     """A Hugging Face encoder as ``token ids → last hidden state``."""
 

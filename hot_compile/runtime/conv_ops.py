@@ -146,13 +146,17 @@ def conv_hla_grad_weight(
     in ``grad_output``'s dtype: ``[Cout, Cin, kh, kw]`` in ``out_dtype``.
 
     A sum of HLA products over windows of output rows, each compressing its own patches (its own
-    scales, seed ``seed + window``): the patch matrix is never built whole."""
+    scales, seed ``seed + window``), gathered in int8 and dequantized a window at a time: neither the
+    patch matrix nor a float copy of the input is ever built whole."""
     b, cout, ho, wo = grad_output.shape
     cin, (kh, kw) = x_q.shape[1], kernel
-    x = _padded_nhwc((x_q.to(torch.float32) * x_scale).to(grad_output.dtype), padding)
+    x = _padded_nhwc(x_q, padding)  # int8: no float copy of the input is ever whole
+    column_scale = x_scale.reshape(1, cin).repeat(1, kh * kw)
     total = torch.zeros(cout, kh * kw * cin, dtype=torch.float32, device=grad_output.device)
-    for index, (images, rows) in enumerate(_windows(b, ho, wo, kh * kw * cin * grad_output.element_size())):
+    # Windows sized by the float32 patches of the dequantization.
+    for index, (images, rows) in enumerate(_windows(b, ho, wo, kh * kw * cin * 4)):
         cols = _patches(x, kernel, stride, dilation, images, rows, wo).reshape(-1, kh * kw * cin)
+        cols = (cols.to(torch.float32) * column_scale).to(grad_output.dtype)
         cols_q, cols_scale = ops.compress_activation(cols, rank, bits, per_channel)
         g = _tokens(grad_output[images, :, rows])
         total += ops.hla_grad_weight(g, cols_q, cols_scale, seed + index, rank, bits, per_channel, torch.float32)

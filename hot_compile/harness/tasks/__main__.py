@@ -16,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("task", choices=[*runner.TASKS, "ablation", "gradient-error"])
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the task's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tasks", type=lambda v: v.split(","), default=list(runner.TASKS), metavar="A,B",
+        help=f"the tasks gradient-error measures (default: all of {','.join(runner.TASKS)})",
+    )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny model and data, a few steps")
     parser.add_argument("--json", metavar="PATH", help="also write every number (curves, reports) as JSON")
     parser.add_argument(
@@ -50,7 +54,7 @@ def _gradient_errors(args: argparse.Namespace) -> int:
     from .gradient_noise import gradient_error
 
     measured = {}
-    for name in runner.TASKS:
+    for name in args.tasks:
         spec = runner.spec(name)
         options = {"policy": runner.EVERY_PRODUCT.policy, **args.options}
         result = gradient_error(spec.build(args.tiny), options, seed=args.seed)

@@ -60,5 +60,5 @@ class DigitsCNNTask(DigitsTask):
 
 
 TINY = CNNSize(channels=8, batch=8)
-DEFAULT_SCHEDULE = Schedule(steps=600, lr=2e-3, warmup=30, weight_decay=0.05, eval_every=200)
+DEFAULT_SCHEDULE = Schedule(steps=600, lr=8e-3, warmup=30, weight_decay=0.05, eval_every=200)
 TINY_SCHEDULE = Schedule(steps=3, lr=2e-3)
