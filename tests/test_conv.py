@@ -272,3 +272,17 @@ def test_dump_covers_conv_sites(tmp_path):
     assert {(r["module"], r["decision"]) for r in rows if r["path"] == "gw"} == {
         ("0", "HLA+ABC"), ("2.conv1", "HLA+ABC"), ("2.conv2", "HLA+ABC"), ("2.shortcut", "HLA+ABC"), ("2.depthwise", "kept")
     }
+
+
+def test_rectangular_kernel_dilation_and_channels_last_input():
+    """A 3×1 kernel with dilation and unequal strides, on a channels-last input (what a model converted
+    with ``memory_format=torch.channels_last`` feeds its convolutions)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 8, 1), nn.Conv2d(8, 16, (3, 1), stride=(1, 2), padding=(2, 0), dilation=(2, 1)))
+    compiled, _ = aot_compile(model, STRICT)
+    x = torch.randn(4, 8, 12, 9).to(memory_format=torch.channels_last)
+    errors = grad_errors(model, compiled, x)
+    assert {(r.module, r.path, r.decision) for r in hot_compile.last_report() if r.path != "fwd"} == {
+        ("0", "gw", "HLA+ABC"), ("1", "gx", "HQ"), ("1", "gw", "HLA+ABC")
+    }
+    assert max(errors.values()) < tol.E2E_GRAD_CONV

@@ -61,3 +61,14 @@ def test_int_mm_constraints_keep_small_sites_with_reason():
     ).sum().backward()
     reasons = [r.reason for r in hot_compile.last_report() if r.decision == "kept"]
     assert any("CUDA _int_mm" in r for r in reasons)
+
+
+def test_conv_sites_on_cuda():
+    from tests.test_conv import small_resnet
+
+    model = small_resnet().to(CUDA)
+    compiled = torch.compile(model, backend="hot", options={"policy": "hot", "strict": True})
+    errors = grad_errors(model, compiled, torch.randn(8, 3, 16, 16, device=CUDA))
+    rewritten = {(r.module, r.path) for r in hot_compile.last_report() if r.decision != "kept"}
+    assert {("2.conv1", "gx"), ("2.conv1", "gw"), ("2.conv2", "gw"), ("2.shortcut", "gw")} <= rewritten
+    assert max(errors.values()) < tol.E2E_GRAD_CONV
