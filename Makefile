@@ -1,6 +1,7 @@
 # Two entry points on a fresh machine: `make demo` (the main job) and `make test` (the suite CI runs).
 # Each creates the virtual environment on first use: torch==2.13.0 (the CPU build) first, then this
-# package, so no dependency can pull a different torch.
+# package, so no dependency can pull a different torch; then HOT's CPU kernels are built for this
+# machine, so that a model's first compile does not wait for them.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,demo]'
+	$(VENV)/bin/hot-compile build-kernels
 	touch $(STAMP)
 
 # The three training tasks also need scikit-learn's digits and the pretrained MiniLM package.

@@ -1,6 +1,9 @@
 """The fused CPU loops of :mod:`hot_compile.runtime.cpu_kernels` against the aten quantizers and transforms they
 replace. The ops built on them are checked against float64 in ``test_ops.py`` (fixture ``impl``)."""
 
+import os
+import pathlib
+
 import pytest
 import torch
 
@@ -116,3 +119,32 @@ def test_the_pass_starts_loading_the_cpu_kernels(monkeypatch):
     compiled(torch.randn(2, 16, 32)).sum().backward()
     assert devices == [torch.device("cpu")]
     assert any(node.target is torch.ops.hot_compile.hq_grad_input.default for node in graphs.backward.graph.nodes)
+
+
+def _no_inductor_build(*args, **kwargs):
+    raise AssertionError("Inductor was asked to build the library")
+
+
+def test_the_library_is_kept_outside_inductors_cache(monkeypatch):
+    """A process with a fresh Inductor cache loads this machine's build from HOT's own cache."""
+    from torch._inductor.codecache import CppCodeCache
+
+    path = cpu_kernels.build()  # kept under this session's HOT_CACHE_DIR (conftest)
+    assert path.is_file() and path.parent == pathlib.Path(os.environ["HOT_CACHE_DIR"])
+    monkeypatch.setattr(CppCodeCache, "load", _no_inductor_build)
+    assert cpu_kernels._load()._name == str(path)
+
+
+def test_build_kernels_command_names_the_kept_library(capsys):
+    from hot_compile import cli
+
+    assert cli.main(["build-kernels"]) == 0
+    assert str(cpu_kernels.library_path()) in capsys.readouterr().out and cpu_kernels.library_path().is_file()
+
+
+def test_an_unwritable_cache_only_costs_a_build(monkeypatch, tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("HOT_CACHE_DIR", str(not_a_folder))
+    library = cpu_kernels._load()  # built (or found) by Inductor, nothing kept
+    assert library.hot_rows_quantize is not None and not cpu_kernels.library_path().exists()

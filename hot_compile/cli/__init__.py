@@ -29,6 +29,13 @@ def _calibrate_device(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_kernels(_: argparse.Namespace) -> int:
+    from ..runtime import cpu_kernels
+
+    print(f"HOT's CPU kernels: {cpu_kernels.build()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hot-compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--repeats", type=int, default=15, help="timed repeats per micro-benchmark (median)")
     calibrate.add_argument("--no-save", action="store_true", help="print the profile without caching it")
     calibrate.set_defaults(run=_calibrate_device)
+    sub.add_parser(
+        "build-kernels", help="build HOT's CPU kernels for this machine now rather than at the first compile"
+    ).set_defaults(run=_build_kernels)
     explain.add_parser(sub)
     demo.add_parser(sub)
     bench.add_parser(sub)

@@ -2,7 +2,9 @@
 
 HOT's kernels (:mod:`hot_compile.runtime.ops`) are shape-generic: the first model compiled with
 ``backend="hot"`` on a machine builds them, and every later process finds them in Inductor's FX graph
-cache, whatever its model. So a model's first compile is measured twice per backend:
+cache, whatever its model. On the CPU they are one C++ library, which ``make install`` builds and HOT's
+own cache keeps (:mod:`hot_compile.runtime.cpu_kernels`): a new Inductor cache does not drop it. So a
+model's first compile is measured twice per backend:
 
 * **first use**: in a new Inductor cache; HOT builds its kernels;
 * **after a primer**: in a cache where another model (the *primer*) was compiled first with the same

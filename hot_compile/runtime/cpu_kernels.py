@@ -15,19 +15,26 @@ per-slice scale a second pass over it, and each dequantize a pass over a fresh i
 
 The numerics are those of :mod:`hot_compile.runtime.aten_impl` (same transforms, scales, hash noise and
 rounding; only the order of float additions differs), as ``tests/test_cpu_kernels.py`` checks. The
-library is built once per machine by Inductor's C++ toolchain and cached with its kernels.
+library is built by Inductor's C++ toolchain, once per machine: ``make install`` builds it
+(``hot-compile build-kernels``), else the first use does, and a copy is kept in HOT's own cache
+(:func:`~hot_compile.runtime.devices.cache_root`), so that a fresh Inductor cache does not build it again.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import hashlib
+import os
 import pathlib
+import shutil
+import tempfile
 import threading
 import time
 
 import torch
 
+from .devices import cache_root, cpu_identity
 from .quant import guard_scale, qmax
 
 # One translation unit, in this order.
@@ -51,14 +58,46 @@ _build: concurrent.futures.Future | None = None
 _build_lock = threading.Lock()
 
 
+def library_path() -> pathlib.Path:
+    """Where this machine's build of the library is kept: named by its sources and the machine
+    (CPU model, core count, torch version), as Inductor compiles for the host's vector ISA."""
+    digest = hashlib.sha256(cpu_identity().encode())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    return cache_root() / f"cpu_kernels_{digest.hexdigest()[:24]}.so"
+
+
+def _keep(built: str, path: pathlib.Path) -> None:
+    """Copy the library Inductor built to ``path`` (atomically: a concurrent loader sees all or nothing);
+    a cache that cannot be written only costs the next process a build."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so.part", delete=False) as part:
+            shutil.copyfile(built, part.name)
+        os.replace(part.name, path)
+    except OSError:
+        pass
+
+
 def _load() -> ctypes.CDLL:
     from torch._inductor.codecache import CppCodeCache
 
-    library = CppCodeCache.load("\n".join(p.read_text() for p in _SOURCES), device_type="cpu")
+    path = library_path()
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError:
+        library = CppCodeCache.load("\n".join(p.read_text() for p in _SOURCES), device_type="cpu")
+        _keep(library._name, path)
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, None
     return library
+
+
+def build() -> pathlib.Path:
+    """Build the library now, if this machine has no build of it yet; returns where it is kept."""
+    _library()
+    return library_path()
 
 
 def prepare() -> None:

@@ -9,6 +9,7 @@ then takes precedence for that machine.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -170,22 +171,30 @@ def _cpu_flags() -> set[str]:
 
 
 def cpu_identity() -> str:
+    """This machine as its calibration and its build of the CPU kernels know it: the CPU model, a digest
+    of its feature flags (VMs of one model name differ in them), the core count and torch's version."""
+    model, flags = platform.processor(), ""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-        else:
-            model = platform.processor()
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == platform.processor():
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = hashlib.sha256(value.strip().encode()).hexdigest()[:12]
     except OSError:
-        model = platform.processor()
-    return f"{model}|{os.cpu_count()}cpu|torch-{torch.__version__}"
+        pass
+    return f"{model}|{flags}|{os.cpu_count()}cpu|torch-{torch.__version__}"
+
+
+def cache_root() -> pathlib.Path:
+    """HOT's own cache folder on this machine, ``~/.cache/hot_compile`` (env ``HOT_CACHE_DIR`` moves it):
+    what outlives Inductor's cache (the calibrated profile, the CPU kernels' library)."""
+    return pathlib.Path(os.environ.get("HOT_CACHE_DIR") or pathlib.Path.home() / ".cache" / "hot_compile")
 
 
 def cache_path() -> pathlib.Path:
-    """Where the calibrated profile of this machine is cached (env ``HOT_CACHE_DIR`` moves it)."""
-    root = pathlib.Path(os.environ.get("HOT_CACHE_DIR") or pathlib.Path.home() / ".cache" / "hot_compile")
-    return root / "device_profile.json"
+    """Where the calibrated profile of this machine is cached."""
+    return cache_root() / "device_profile.json"
 
 
 def load_calibrated() -> DeviceProfile | None:
