@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from .config import HotConfig
+from .passes.attention_precision import FLASH_CPU_BACKWARD
 from .passes.cost_model import SiteCost, forward_cost, grad_input_cost, grad_weight_cost
 from .passes.numerics import resolve_numerics
 from .runtime.devices import DTYPES, DeviceProfile, cpu_identity
@@ -132,7 +133,8 @@ def _fitted_op_overhead(profile: DeviceProfile, repeats: int, layers=OVERHEAD_LA
 
 def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
-    bandwidths, the per-call overhead, the transform + quantize rate fitted to the compiled HQ op
+    bandwidths, the per-call overhead, which precision runs the attention backward faster, the
+    transform + quantize rate fitted to the compiled HQ op
     (see :func:`_fitted_transform_rate`), then the per-op overhead fitted to training steps of small
     layers (:func:`_fitted_op_overhead`)."""
     flops = {}
@@ -156,6 +158,15 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     write_bw = act.numel() * 4 / median_seconds(lambda: torch.empty_like(act).fill_(1.0), repeats)
     tiny = torch.randn(4, 4)
     kernel_overhead = median_seconds(lambda: tiny.add(1), 50)
+    # ViT-S's attention at batch 8: the bf16 flash-attention backward against float32 with the casts.
+    q, k, v = (torch.randn(8, 6, 197, 64, dtype=torch.bfloat16) for _ in range(3))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[:2]
+    grad = torch.randn_like(out)
+    bf16_backward = median_seconds(lambda: FLASH_CPU_BACKWARD(grad, q, k, v, out, lse, 0.0, False), repeats)
+    upcast = (grad, q, k, v, out)
+    fp32_backward = median_seconds(
+        lambda: [g.bfloat16() for g in FLASH_CPU_BACKWARD(*(t.float() for t in upcast), lse, 0.0, False)], repeats
+    )
     measured = DeviceProfile(
         name=f"calibrated:{cpu_identity().split('|')[0]}",
         matmul_flops=flops,
@@ -166,6 +177,7 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         kernel_overhead=kernel_overhead,
         op_overhead=0.0,  # fitted last, on the other rates
         narrow_int8_ops=narrow_int8_ops,
+        fp32_attention_backward=fp32_backward < bf16_backward,
     )
     measured = dataclasses.replace(measured, transform_rate=_fitted_transform_rate(measured, repeats))
     return dataclasses.replace(measured, op_overhead=_fitted_op_overhead(measured, repeats))

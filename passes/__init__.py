@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import optimization_hint
@@ -17,6 +18,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from ..config import HotConfig
 from ..runtime import ops
 from ..runtime.devices import resolve_profile
+from .attention_precision import AttentionSite, find_attention_backwards, replace_attention_backward, upcast_attention_backward
 from .conv_sites import ConvSite, find_conv_sites
 from .cost_model import (
     SiteCost,
@@ -261,6 +263,39 @@ def _rewrite(graph: fx.Graph, config: HotConfig, weight_like: WeightLike, backwa
     return rewritten, planned, unmatched
 
 
+def _attention_row(site: AttentionSite, decision: str, reason: str) -> SiteRow:
+    return SiteRow(
+        module=site.module_path,
+        path="attn",
+        shape="×".join(str(_hint(d)) for d in site.shape),
+        dtype=str(site.dtype).removeprefix("torch."),
+        decision=decision,
+        reason=reason,
+        numerics="float32 backward, gradients cast back" if decision != "kept" else "-",
+    )
+
+
+def _plan_attention(graph: fx.Graph, config: HotConfig, backward: set[fx.Node], created: list[fx.Node]):
+    """Insert a float32 backward beside each half-precision CPU attention backward where the device
+    profile says that is faster; returns a row for each attention, and the (site, stand-ins) pairs to
+    rewire once every other rewrite is built."""
+    rows, upcast = [], []
+    profile = resolve_profile(torch.device("cpu"), config.device_profile)
+    for site in find_attention_backwards(graph, backward):
+        skipped = "policy='off'" if config.policy == "off" else None
+        if skipped is None and not config.selects(site.module_path):
+            skipped = "excluded by include/exclude globs"
+        if skipped is None and not profile.fp32_attention_backward:
+            skipped = f"kept: the bf16 kernel is not the slower one on this device (profile {profile.name})"
+        if skipped:
+            rows.append(_attention_row(site, "kept", skipped))
+            continue
+        upcast.append((site, upcast_attention_backward(graph, site, created)))
+        reason = f"the half-precision kernel is the slower one on this device (profile {profile.name})"
+        rows.append(_attention_row(site, "float32", reason))
+    return rows, upcast
+
+
 def run_hot_pass(
     graph: fx.Graph, config: HotConfig, graph_name: str = "", parameters: frozenset[int] | None = None
 ) -> Report:
@@ -271,22 +306,30 @@ def run_hot_pass(
     :mod:`~hot_compile.passes.sites`).
 
     Batch-1 ``bmm`` products of a weight (``einsum``) first become ``mm`` (:mod:`.unbatch`). All other
-    new nodes are inserted next; only when every rewrite has been built are the old matmuls rewired and
+    new nodes are inserted next (the float32 attention backwards of :mod:`.attention_precision`, then
+    the products' rewrites); only when every rewrite has been built are the old nodes rewired and
     erased, so an exception leaves the graph as it was.
     """
     weight_like, backward = WeightLike(graph, parameters), backward_nodes(graph)
     unbatched = unbatch_weight_products(graph, weight_like, backward)
     if unbatched.replaced:  # the stand-ins are new nodes, some of them backward ones
         backward = backward_nodes(graph)
+    attention_nodes: list[fx.Node] = []
     try:
+        attention_rows, upcast = _plan_attention(graph, config, backward, attention_nodes)
         rewritten, planned, unmatched = _rewrite(graph, config, weight_like, backward)
     except BaseException:
+        for node in reversed(attention_nodes):
+            graph.erase_node(node)
         unbatched.undo(graph)
         raise
+    for site, stand_ins in upcast:
+        replace_attention_backward(graph, site, stand_ins)
     backward = backward_nodes(graph)  # again: the rows read the rewritten graph
     rows = [_row(graph, backward, entry, config) for entry in planned] + [_unmatched_row(u) for u in unmatched]
+    rows += attention_rows
     hot = counters["hot"]
     hot["sites_found"] += len(rows)
-    hot["sites_rewritten"] += len(rewritten)
-    hot["sites_kept"] += len(rows) - len(rewritten)
+    hot["sites_rewritten"] += len(rewritten) + len(upcast)
+    hot["sites_kept"] += len(rows) - len(rewritten) - len(upcast)
     return Report(graph_name, rows)

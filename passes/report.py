@@ -9,7 +9,8 @@ from typing import Any, Iterator
 
 @dataclasses.dataclass(frozen=True)
 class SiteRow:
-    """One backward matmul site of one linear layer.
+    """One product site of one layer: a linear's or a convolution's (forward, grad_input,
+    grad_weight), or an attention's backward (path ``"attn"``, :mod:`.attention_precision`).
 
     ``numerics`` names what a rewritten site computes: ``INT8 g per_token, W per_channel`` for HQ,
     ``INT8 rank 16 per_channel`` for HLA, each choice followed by its source where it is not the
@@ -22,10 +23,10 @@ class SiteRow:
     """
 
     module: str
-    path: str  # "gx" (grad_input), "gw" (grad_weight), or "fwd" (the forward, with HotConfig.forward_bits)
+    path: str  # "gx" (grad_input), "gw" (grad_weight), "fwd" (the forward, HotConfig.forward_bits), "attn"
     shape: str  # "L×N @ N×K" for gx, "N×L @ L×K" for gw
     dtype: str
-    decision: str  # "HQ", "HLA+ABC" or "kept"
+    decision: str  # "HQ", "HLA+ABC", "float32" (an attention backward) or "kept"
     reason: str
     saved_bytes_before: int | None = None
     saved_bytes_after: int | None = None

@@ -42,6 +42,8 @@ class DeviceProfile:
             graph's other kernels (fitted on whole training steps of small layers).
         narrow_int8_ops: the rate on operands of at most 7 bits where it differs from ``int8_ops``: on
             x86 CPUs without VNNI/AMX, oneDNN's uint8 × int8 GEMM (:func:`~hot_compile.runtime.int8_gemm.u8s8_exact`). None: ``int8_ops``.
+        fp32_attention_backward: the CPU's flash-attention backward runs faster in float32, with its
+            operands upcast and its gradients cast back, than in bf16 (:mod:`~hot_compile.passes.attention_precision`).
     """
 
     name: str
@@ -53,6 +55,7 @@ class DeviceProfile:
     kernel_overhead: float
     op_overhead: float
     narrow_int8_ops: float | None = None
+    fp32_attention_backward: bool = False
 
     def __post_init__(self) -> None:
         missing = set(DTYPES) - set(self.matmul_flops)
@@ -126,6 +129,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             transform_rate=2.7e9,  # fitted to the HQ op on its CPU kernels (device_calibration.FIT_SITES)
             kernel_overhead=6e-6,
             op_overhead=1e-4,  # fitted on training steps of small layers (device_calibration.OVERHEAD_LAYERS)
+            fp32_attention_backward=True,  # bf16 1.3-1.8x slower at ViT-S's and MiniLM's attention shapes
         ),
         DeviceProfile(
             name="cpu-avx2-2core",  # AMD EPYC, AVX2 only: INT4 products on oneDNN's u8s8 GEMM, INT8 on fp32
@@ -137,6 +141,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             kernel_overhead=4e-6,
             op_overhead=1e-4,  # not measured on this class: Zen 4's
             narrow_int8_ops=2.5e11,
+            fp32_attention_backward=True,  # not measured: bf16 matmuls run 170x slower than fp32 here
         ),
         DeviceProfile(
             name="cpu-generic",

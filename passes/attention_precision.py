@@ -1,0 +1,84 @@
+"""Attention backward in float32 where the device's half-precision kernel is the slower one.
+
+Under bf16 autocast, ``scaled_dot_product_attention`` on the CPU runs the flash-attention kernels in
+bf16, and the backward (``_scaled_dot_product_flash_attention_for_cpu_backward``) is the slow one: on
+Zen 4 it takes 1.3–1.8× as long as the float32 kernel with the casts of its inputs and outputs around
+it (BENCHMARKS.md). Where the device profile says so
+(:attr:`~hot_compile.runtime.devices.DeviceProfile.fp32_attention_backward`), the backward runs in
+float32 on upcast inputs and its gradients are cast back: the same function, computed more exactly.
+The forward is left as it is (its bf16 kernel is as fast as float32's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from .inline import insert_traced
+from .provenance import provenance
+from .sites import module_path
+
+aten = torch.ops.aten
+FLASH_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+HALF = (torch.bfloat16, torch.float16)
+REWRITE = "attention_backward_fp32"
+
+
+@dataclasses.dataclass
+class AttentionSite:
+    node: fx.Node  # the backward of one attention
+    module_path: str
+
+    @property
+    def shape(self) -> tuple:
+        """(B, H, L, D) of the query."""
+        return tuple(self.node.args[1].meta["val"].shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.node.args[0].meta["val"].dtype
+
+
+def find_attention_backwards(graph: fx.Graph, backward: set[fx.Node]) -> list[AttentionSite]:
+    """The CPU flash-attention backwards in half precision of ``graph``'s backward region."""
+    return [
+        AttentionSite(node, module_path(node))
+        for node in graph.find_nodes(op="call_function", target=FLASH_CPU_BACKWARD)
+        if node in backward and isinstance(node.args[0].meta.get("val"), torch.Tensor) and node.args[0].meta["val"].dtype in HALF
+    ]
+
+
+def upcast_attention_backward(graph: fx.Graph, site: AttentionSite, created: list[fx.Node]) -> list[fx.Node]:
+    """Insert ``site``'s backward on float32 operands; returns the nodes standing in for its three
+    gradients (query, key, value), each cast back to its original dtype."""
+    node = site.node
+    tensors = [a for a in node.args if isinstance(a, fx.Node)]
+    mask = node.kwargs.get("attn_mask")
+    constants, kwargs = node.args[len(tensors) :], {k: v for k, v in node.kwargs.items() if k != "attn_mask"}
+    out_dtypes = [v.dtype for v in node.meta["val"]]
+
+    def fp32_backward(*operands):
+        *operands, maybe_mask = operands if mask is not None else (*operands, None)
+        upcast = [t.float() if t.dtype in HALF else t for t in operands]
+        if maybe_mask is not None and maybe_mask.dtype in HALF:
+            maybe_mask = maybe_mask.float()
+        extra = {"attn_mask": maybe_mask} if maybe_mask is not None else {}
+        grads = FLASH_CPU_BACKWARD(*upcast, *constants, **kwargs, **extra)
+        return [g.to(dtype) for g, dtype in zip(grads, out_dtypes)]
+
+    meta = provenance(REWRITE, site.module_path, "attn", node, "backward")
+    inputs = tensors + ([mask] if mask is not None else [])
+    return insert_traced(graph, fp32_backward, inputs, before=node, meta=meta, created=created)
+
+
+def replace_attention_backward(graph: fx.Graph, site: AttentionSite, stand_ins: list[fx.Node]) -> None:
+    """Point the ``getitem`` users of ``site``'s backward at ``stand_ins`` and erase it."""
+    for user in list(site.node.users):
+        if user.target is not operator.getitem:
+            raise RuntimeError(f"{site.node.name} has a user other than getitem: {user.format_node()}")
+        user.replace_all_uses_with(stand_ins[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(site.node)

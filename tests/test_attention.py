@@ -1,0 +1,75 @@
+"""The attention backward under bf16 autocast: in float32 where the device profile says the bf16 kernel
+is the slower one (:mod:`hot_compile.passes.attention_precision`), with a row either way."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hot_compile
+from hot_compile import HotConfig
+from hot_compile.passes.attention_precision import FLASH_CPU_BACKWARD
+from tests.harness import aot_compile
+from tests.models import gradient_errors
+
+SLOWER_BF16 = "cpu-zen4-2core"  # profiles with and without fp32_attention_backward
+FAST_BF16 = "cpu-sapphire-rapids-2core"
+
+
+class AttentionOnly(nn.Module):
+    """Self-attention whose q, k and v are per-channel scalings of the input: no linear product, so the
+    attention is the only site."""
+
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.scales = nn.Parameter(1 + 0.1 * torch.randn(3, dim))
+
+    def forward(self, x):
+        b, l, d = x.shape
+        q, k, v = ((x * s).view(b, l, self.heads, -1).transpose(1, 2) for s in self.scales)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, l, d)
+
+
+def _bf16_step(profile: str, policy: str = "hot"):
+    torch.manual_seed(0)
+    model, x = AttentionOnly(), torch.randn(4, 40, 32)
+    compiled, graphs = aot_compile(model, HotConfig(strict=True, policy=policy, device_profile=profile))
+    with torch.autocast("cpu", torch.bfloat16):
+        out = compiled(x)
+    out.float().square().mean().backward()
+    reference = AttentionOnly().double()
+    reference.load_state_dict(model.state_dict())
+    reference(x.double()).square().mean().backward()
+    return gradient_errors(model, reference)["scales"], graphs, hot_compile.last_report()
+
+
+def test_attention_backward_runs_in_float32_where_bf16_is_slower():
+    error, graphs, report = _bf16_step(SLOWER_BF16)
+    (row,) = report.select(path="attn")
+    assert row.decision == "float32" and row.dtype == "bfloat16" and row.shape == "4×2×40×16"
+    (backward,) = graphs.nodes("backward", FLASH_CPU_BACKWARD)
+    assert {a.meta["val"].dtype for a in backward.args[:5]} == {torch.float32}
+    kept_error, graphs, report = _bf16_step(FAST_BF16)
+    assert report.select(path="attn", decision="kept") and "not the slower one" in report.rows[0].reason
+    assert [a.meta["val"].dtype for a in graphs.nodes("backward", FLASH_CPU_BACKWARD)[0].args[:5]] == [torch.bfloat16] * 5
+    # The same function computed in float32: no less exact than the bf16 kernel (both carry the
+    # forward's bf16 rounding).
+    print(f"attention gradient error: float32 backward {error:.5f}, bf16 backward {kept_error:.5f}")
+    assert error <= kept_error
+
+
+@pytest.mark.parametrize("config", [dict(policy="off"), dict(policy="hot", exclude=["*"])])
+def test_policy_off_and_globs_keep_the_attention_backward(config):
+    torch.manual_seed(0)
+    compiled, _ = aot_compile(AttentionOnly(), HotConfig(strict=True, device_profile=SLOWER_BF16, **config))
+    with torch.autocast("cpu", torch.bfloat16):
+        compiled(torch.randn(2, 8, 32)).float().sum().backward()
+    (row,) = hot_compile.last_report().select(path="attn")
+    assert row.decision == "kept" and ("policy='off'" in row.reason or "globs" in row.reason)
+
+
+def test_float32_attention_has_no_row():
+    compiled, _ = aot_compile(AttentionOnly(), HotConfig(strict=True, policy="hot", device_profile=SLOWER_BF16))
+    compiled(torch.randn(2, 8, 32)).sum().backward()
+    assert not hot_compile.last_report().select(path="attn")
