@@ -39,8 +39,8 @@ def compress_conv_input(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     return torch.round(x.float() / scale).clamp(-qm, qm).to(torch.int8), scale
 
 
-# Patch rows per window: a window's float patches (at most this many bytes) stay in the last-level
-# cache between the product that writes them and the fold or quantizer that reads them. Built whole,
+# Bytes of patches per window: a window's float patches stay in the last-level cache between the
+# product that writes them and the fold or quantizer that reads them. Built whole,
 # the patch matrix of a [32, 64, 56, 56] layer is 231 MB of fresh pages per call.
 WINDOW_BYTES = 8 << 20
 
@@ -64,10 +64,10 @@ def _tokens(grad_output: Tensor) -> Tensor:
     return grad_output.permute(0, 2, 3, 1).reshape(-1, grad_output.shape[1])
 
 
-def _padded_nhwc(x: Tensor, padding, extra: Sequence[int] = (0, 0)) -> Tensor:
-    """``x: [B, C, H, W]`` channels-last, zero-padded by ``padding`` (and ``extra`` more at the end)."""
-    (ph, pw), (eh, ew) = padding, extra
-    return F.pad(x.permute(0, 2, 3, 1), (0, 0, pw, pw + ew, ph, ph + eh)).contiguous()
+def _padded_nhwc(x: Tensor, padding) -> Tensor:
+    """``x: [B, C, H, W]`` channels-last, zero-padded by ``padding``."""
+    ph, pw = padding
+    return F.pad(x.permute(0, 2, 3, 1), (0, 0, pw, pw, ph, ph)).contiguous()
 
 
 def _patches(padded: Tensor, kernel, stride, dilation, images: slice, rows: slice, out_cols: int) -> Tensor:
