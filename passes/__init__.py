@@ -101,7 +101,7 @@ def _shape(site: Site, path: str) -> str:
     product = {"fwd": f"{l}×{k} @ {k}×{n}", "gx": f"{l}×{n} @ {n}×{k}"}.get(path, f"{n}×{l} @ {l}×{k}")
     if isinstance(site, LinearSite):
         return product
-    kernel = "×".join(str(_hint(d)) for d in site.weight.meta["val"].shape[2:])
+    kernel = "×".join(str(_hint(d)) for d in site.kernel)
     return f"conv {kernel}/{','.join(map(str, site.stride))}: {product}"
 
 
