@@ -20,25 +20,25 @@ class AttentionOnly(nn.Module):
     """Self-attention whose q, k and v are per-channel scalings of the input: no linear product, so the
     attention is the only site."""
 
-    def __init__(self, dim=32, heads=2):
+    def __init__(self, dim=32, heads=2, mask=None):
         super().__init__()
-        self.heads = heads
+        self.heads, self.mask = heads, mask
         self.scales = nn.Parameter(1 + 0.1 * torch.randn(3, dim))
 
     def forward(self, x):
         b, l, d = x.shape
         q, k, v = ((x * s).view(b, l, self.heads, -1).transpose(1, 2) for s in self.scales)
-        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, l, d)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).transpose(1, 2).reshape(b, l, d)
 
 
-def _bf16_step(profile: str, policy: str = "hot"):
+def _bf16_step(profile: str, policy: str = "hot", mask=None):
     torch.manual_seed(0)
-    model, x = AttentionOnly(), torch.randn(4, 40, 32)
+    model, x = AttentionOnly(mask=mask), torch.randn(4, 40, 32)
     compiled, graphs = aot_compile(model, HotConfig(strict=True, policy=policy, device_profile=profile))
     with torch.autocast("cpu", torch.bfloat16):
         out = compiled(x)
     out.float().square().mean().backward()
-    reference = AttentionOnly().double()
+    reference = AttentionOnly(mask=mask if mask is None or mask.dtype == torch.bool else mask.double()).double()
     reference.load_state_dict(model.state_dict())
     reference(x.double()).square().mean().backward()
     return gradient_errors(model, reference)["scales"], graphs, hot_compile.last_report()
@@ -56,6 +56,17 @@ def test_attention_backward_runs_in_float32_where_bf16_is_slower():
     # The same function computed in float32: no less exact than the bf16 kernel (both carry the
     # forward's bf16 rounding).
     print(f"attention gradient error: float32 backward {error:.5f}, bf16 backward {kept_error:.5f}")
+    assert error <= kept_error
+
+
+@pytest.mark.parametrize("mask", [torch.rand(40, 40) > 0.2, torch.randn(4, 1, 40, 40)], ids=["bool", "additive"])
+def test_attention_backward_with_a_mask(mask):
+    error, graphs, report = _bf16_step(SLOWER_BF16, mask=mask)
+    kept_error, _, _ = _bf16_step(FAST_BF16, mask=mask)
+    assert report.select(path="attn", decision="float32")
+    (backward,) = graphs.nodes("backward", FLASH_CPU_BACKWARD)
+    assert backward.kwargs["attn_mask"].meta["val"].dtype in (torch.float32, torch.bool)
+    print(f"masked attention gradient error: float32 backward {error:.5f}, bf16 backward {kept_error:.5f}")
     assert error <= kept_error
 
 
