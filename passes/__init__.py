@@ -280,8 +280,9 @@ def _plan_attention(graph: fx.Graph, config: HotConfig, backward: set[fx.Node], 
     profile says that is faster; returns a row for each attention, and the (site, stand-ins) pairs to
     rewire once every other rewrite is built."""
     rows, upcast = [], []
-    profile = resolve_profile(torch.device("cpu"), config.device_profile)
-    for site in find_attention_backwards(graph, backward):
+    sites = find_attention_backwards(graph, backward)
+    profile = resolve_profile(torch.device("cpu"), config.device_profile) if sites else None
+    for site in sites:
         skipped = "policy='off'" if config.policy == "off" else None
         if skipped is None and not config.selects(site.module_path):
             skipped = "excluded by include/exclude globs"
