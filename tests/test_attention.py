@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import hot_compile
 from hot_compile import HotConfig
 from hot_compile.passes.attention_precision import FLASH_CPU_BACKWARD
+from tests import tolerances as tol
 from tests.harness import aot_compile
 from tests.models import gradient_errors
 
@@ -53,21 +54,23 @@ def test_attention_backward_runs_in_float32_where_bf16_is_slower():
     kept_error, graphs, report = _bf16_step(FAST_BF16)
     assert report.select(path="attn", decision="kept") and "not the slower one" in report.rows[0].reason
     assert [a.meta["val"].dtype for a in graphs.nodes("backward", FLASH_CPU_BACKWARD)[0].args[:5]] == [torch.bfloat16] * 5
-    # The same function computed in float32: no less exact than the bf16 kernel (both carry the
-    # forward's bf16 rounding).
+    # The same function computed in float32: as exact as the bf16 kernel up to one bf16 rounding of
+    # the gradients (both carry the forward's bf16 rounding).
     print(f"attention gradient error: float32 backward {error:.5f}, bf16 backward {kept_error:.5f}")
-    assert error <= kept_error
+    assert error <= kept_error + tol.BF16_ROUNDING
 
 
-@pytest.mark.parametrize("mask", [torch.rand(40, 40) > 0.2, torch.randn(4, 1, 40, 40)], ids=["bool", "additive"])
-def test_attention_backward_with_a_mask(mask):
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_attention_backward_with_a_mask(kind):
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(40, 40, generator=gen) > 0.2 if kind == "bool" else torch.randn(4, 1, 40, 40, generator=gen)
     error, graphs, report = _bf16_step(SLOWER_BF16, mask=mask)
     kept_error, _, _ = _bf16_step(FAST_BF16, mask=mask)
     assert report.select(path="attn", decision="float32")
     (backward,) = graphs.nodes("backward", FLASH_CPU_BACKWARD)
     assert backward.kwargs["attn_mask"].meta["val"].dtype in (torch.float32, torch.bool)
     print(f"masked attention gradient error: float32 backward {error:.5f}, bf16 backward {kept_error:.5f}")
-    assert error <= kept_error
+    assert error <= kept_error + tol.BF16_ROUNDING
 
 
 @pytest.mark.parametrize("config", [dict(policy="off"), dict(policy="hot", exclude=["*"])])

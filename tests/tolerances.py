@@ -44,6 +44,9 @@ PAIR_CHI2_1023_DOF = 1260
 # Reduced-precision inputs: bf16 operands carry a relative rounding error of up to 2⁻⁸ per element
 # (the product of the rounded operands is ~0.004 from the float64 one) on top of the INT8 error.
 HQ_HALF_PRECISION = INT8_PER_SLICE_PRODUCT + 2**-8
+# One rounding of a value to bf16 (8 significant bits): the relative error a float32 result cast back to
+# bf16 carries, and by which two computations of one function in bf16 and float32 may differ.
+BF16_ROUNDING = 2**-8
 
 # End-to-end: every parameter gradient of a compiled model (the defaults) vs eager fp64, per-parameter
 # relative error. A parameter's gradient carries the error of its own grad_weight product and of
