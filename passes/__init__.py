@@ -70,8 +70,8 @@ class _Planned:
     replacement: fx.Node | None = None  # stands in for the original mm once everything is built
 
 
-def _profile(site: Site, config: HotConfig, profiles: dict):
-    device = site.activation.meta["val"].device
+def _profile(device: torch.device, config: HotConfig, profiles: dict):
+    """``device``'s profile, resolved once per pass (a calibrated one is read from disk)."""
     if device not in profiles:
         profiles[device] = resolve_profile(device, config.device_profile)
     return profiles[device]
@@ -109,7 +109,7 @@ def _uses(site: Site, forward_bits) -> list[tuple[str, object]]:
     """The products of ``site`` to plan, by path: a forward where ``forward_bits`` asks for it, and only
     in a training graph (an inference graph compiles as under Inductor), then the backward ones."""
     trains = site.grad_input is not None or site.grad_weight is not None
-    forward = _forward(site) if forward_bits is not None and trains else None
+    forward = site.forward if forward_bits is not None and trains else None
     return [("fwd", forward), ("gx", site.grad_input), ("gw", site.grad_weight)]
 
 
@@ -141,14 +141,10 @@ def _buffers(site: Site, config: HotConfig, compressed: CompressedActivations) -
     return compressed.get(site, config)
 
 
-def _forward(site: Site) -> fx.Node:
-    return site.conv if isinstance(site, ConvSite) else site.linear
-
-
 def _original(site: Site, path: str) -> fx.Node:
     """The node a rewrite of ``site``'s ``path`` product stands in for."""
     if path == "fwd":
-        return site.linear
+        return site.forward
     if isinstance(site, ConvSite):
         return site.grad_input if path == "gx" else site.grad_weight
     return site.grad_input.node if path == "gx" else site.grad_weight.node
@@ -163,15 +159,14 @@ def _other_backward_readers(graph: fx.Graph, backward: set[fx.Node], activation:
     )
 
 
-def _plan_and_rewrite(graph: fx.Graph, config: HotConfig, sites: list[Site]) -> list[_Planned]:
+def _plan_and_rewrite(graph: fx.Graph, config: HotConfig, sites: list[Site], profiles: dict) -> list[_Planned]:
     """Decide every site and insert the rewrites; the graph's old matmuls still stand afterwards."""
     created: list[fx.Node] = []
     compressed = CompressedActivations(graph, created)
-    profiles: dict = {}
     planned: list[_Planned] = []
     try:
         for site in sites:
-            profile = _profile(site, config, profiles)
+            profile = _profile(site.activation.meta["val"].device, config, profiles)
             site_config = resolve_numerics(config.for_module(site.module_path), profile)
             for path, use in _uses(site, site_config.forward_bits):
                 if use is None:
@@ -244,13 +239,13 @@ def _numerics(entry: _Planned, config: HotConfig) -> str:
     return describe(entry.path, entry.config, config, site.module_path) + note
 
 
-def _rewrite(graph: fx.Graph, config: HotConfig, weight_like: WeightLike, backward: set[fx.Node]):
+def _rewrite(graph: fx.Graph, config: HotConfig, weight_like: WeightLike, backward: set[fx.Node], profiles: dict):
     """Find, plan and rewrite the sites; returns the rewritten, the planned and the unmatched."""
     linear_sites = find_linear_sites(graph, weight_like, backward)
     unmatched = find_unmatched_products(graph, linear_sites, weight_like, backward)  # before the rewrites erase any
     order = {node: i for i, node in enumerate(graph.nodes)}
-    sites = sorted(linear_sites + find_conv_sites(graph, weight_like, backward), key=lambda s: order[_forward(s)])
-    planned = _plan_and_rewrite(graph, config, sites)
+    sites = sorted(linear_sites + find_conv_sites(graph, weight_like, backward), key=lambda s: order[s.forward])
+    planned = _plan_and_rewrite(graph, config, sites, profiles)
     rewritten = [p for p in planned if p.decision != "kept"]
     for device in {p.site.activation.meta["val"].device for p in rewritten}:
         ops.prepare(device)
@@ -275,13 +270,13 @@ def _attention_row(site: AttentionSite, decision: str, reason: str) -> SiteRow:
     )
 
 
-def _plan_attention(graph: fx.Graph, config: HotConfig, backward: set[fx.Node], created: list[fx.Node]):
+def _plan_attention(graph: fx.Graph, config: HotConfig, backward: set[fx.Node], profiles: dict, created: list[fx.Node]):
     """Insert a float32 backward beside each half-precision CPU attention backward where the device
     profile says that is faster; returns a row for each attention, and the (site, stand-ins) pairs to
     rewire once every other rewrite is built."""
     rows, upcast = [], []
     sites = find_attention_backwards(graph, backward)
-    profile = resolve_profile(torch.device("cpu"), config.device_profile) if sites else None
+    profile = _profile(torch.device("cpu"), config, profiles) if sites else None
     for site in sites:
         skipped = "policy='off'" if config.policy == "off" else None
         if skipped is None and not config.selects(site.module_path):
@@ -316,9 +311,10 @@ def run_hot_pass(
     if unbatched.replaced:  # the stand-ins are new nodes, some of them backward ones
         backward = backward_nodes(graph)
     attention_nodes: list[fx.Node] = []
+    profiles: dict = {}
     try:
-        attention_rows, upcast = _plan_attention(graph, config, backward, attention_nodes)
-        rewritten, planned, unmatched = _rewrite(graph, config, weight_like, backward)
+        attention_rows, upcast = _plan_attention(graph, config, backward, profiles, attention_nodes)
+        rewritten, planned, unmatched = _rewrite(graph, config, weight_like, backward, profiles)
     except BaseException:
         for node in reversed(attention_nodes):
             graph.erase_node(node)

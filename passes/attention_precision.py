@@ -61,11 +61,8 @@ def upcast_attention_backward(graph: fx.Graph, site: AttentionSite, created: lis
     out_dtypes = [v.dtype for v in node.meta["val"]]
 
     def fp32_backward(*operands):
-        *operands, maybe_mask = operands if mask is not None else (*operands, None)
-        upcast = [t.float() if t.dtype in HALF else t for t in operands]
-        if maybe_mask is not None and maybe_mask.dtype in HALF:
-            maybe_mask = maybe_mask.float()
-        extra = {"attn_mask": maybe_mask} if maybe_mask is not None else {}
+        upcast = [t.float() if t.dtype in HALF else t for t in operands]  # a boolean mask stays boolean
+        extra = {"attn_mask": upcast.pop()} if mask is not None else {}
         grads = FLASH_CPU_BACKWARD(*upcast, *constants, **kwargs, **extra)
         return [g.to(dtype) for g, dtype in zip(grads, out_dtypes)]
 

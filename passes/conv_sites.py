@@ -34,6 +34,10 @@ class ConvSite:
     feeds_cross_entropy = False  # a convolution's output is not a classifier's logits here
 
     @property
+    def forward(self) -> fx.Node:
+        return self.conv
+
+    @property
     def x(self) -> fx.Node:
         return self.conv.args[0]
 

@@ -66,14 +66,19 @@ def why_illegal(site: LinearSite, use: MatmulUse, path: str, config: HotConfig) 
     operands = [use.grad.meta.get("val"), site.x2d.meta.get("val"), site.weight.meta.get("val")]
     if out is None or any(v is None for v in operands):
         return "no fake-tensor metadata on the operands"
-    problem = _unsupported((out, *operands))
-    if problem:
-        return problem
+    return _unsupported((out, *operands)) or _size_problem(site, path, config, out.device, "matmul", "L")
+
+
+def _size_problem(
+    site: LinearSite | ConvSite, path: str, config: HotConfig, device: torch.device, what: str, tokens: str
+) -> str | None:
+    """What the sizes of a backward product (``site.shapes``, ``(L, N, K)`` of its linear) rule out: an
+    empty product, a rank that keeps no token row, CUDA's int8 GEMM constraints."""
     if any(statically_known_true(d == 0) for d in site.shapes):
-        return "zero-size matmul"
+        return f"zero-size {what}"
     if path == "gw" and statically_known_true(lowpass_rows(site.shapes[0], config.rank) == 0):
-        return f"rank {config.rank} keeps no row of L = {site.shapes[0]} tokens"
-    if out.device.type == "cuda":
+        return f"rank {config.rank} keeps no row of {tokens} = {site.shapes[0]} tokens"
+    if device.type == "cuda":
         return _cuda_int_mm_problem(site, path)
     return None
 
@@ -102,10 +107,4 @@ def why_illegal_conv(site: ConvSite, path: str, config: HotConfig) -> str | None
         return problem
     if not all(isinstance(d, int) for d in values[1].shape[2:]):
         return "the input's spatial size is symbolic: the rewritten backward builds grad_input at a fixed input size"
-    if any(statically_known_true(d == 0) for d in site.shapes):
-        return "zero-size convolution"
-    if path == "gw" and statically_known_true(lowpass_rows(site.shapes[0], config.rank) == 0):
-        return f"rank {config.rank} keeps no row of T = {site.shapes[0]} tokens"
-    if values[0].device.type == "cuda":
-        return _cuda_int_mm_problem(site, path)
-    return None
+    return _size_problem(site, path, config, values[0].device, "convolution", "T")

@@ -65,6 +65,10 @@ class LinearSite:
     weight_kn: bool = False  # ``weight`` holds Wᵀ, [K, N] (Conv1D, x @ W) rather than W, [N, K]
 
     @property
+    def forward(self) -> fx.Node:
+        return self.linear
+
+    @property
     def activation(self) -> fx.Node:
         """The forward tensor grad_weight reads (what the forward saves for it)."""
         return self.x2d
