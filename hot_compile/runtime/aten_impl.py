@@ -14,7 +14,7 @@ import torch
 
 from .hadamard import BLOCK, block_hadamard, lowpass, tail_basis
 from .int8_gemm import int8_matmul
-from .quant import qmax, quantize_nearest, quantize_sawb, quantize_stochastic
+from .quant import pack_nibbles, qmax, quantize_nearest, quantize_range_stochastic, quantize_sawb, quantize_stochastic
 
 # Distinct noise streams for the two stochastic quantizers of one linear layer sharing a seed.
 SALT_GRAD_INPUT = 1
@@ -147,3 +147,17 @@ def int8_linear(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def encode_rows(x: torch.Tensor, *, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A saved activation as int8 rows: round to nearest, one float32 scale per row."""
+    return quantize_nearest(x, bits, dim=-1)
+
+
+def encode_derivative(value: torch.Tensor, seed: torch.Tensor, *, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A derivative's values as 4-bit codes over each row's range (stochastic rounding), two a byte,
+    with the rows' ``lo`` and ``step``."""
+    if bits != 4:
+        raise ValueError(f"the derivative code packs two 4-bit codes a byte, got bits={bits}")
+    codes, lo, step = quantize_range_stochastic(value, bits, seed)
+    return pack_nibbles(codes), lo, step

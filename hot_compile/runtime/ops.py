@@ -207,6 +207,40 @@ def _(x, weight, bias, bits):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def compiled_encode_rows(x: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """:func:`hot_compile.runtime.aten_impl.encode_rows` by the shape-generic compile: ``[..., C] →
+    ([..., C] int8, [..., 1] float32)``."""
+    q, scale = _run(aten_impl.encode_rows, x, bits=bits)
+    return q.contiguous(), scale.contiguous()
+
+
+encode_rows = torch.library.custom_op("hot_compile::encode_rows", compiled_encode_rows, mutates_args=())
+
+
+@encode_rows.register_fake
+def _(x, bits):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+def compiled_encode_derivative(value: Tensor, seed: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`hot_compile.runtime.aten_impl.encode_derivative` by the shape-generic compile: ``[..., C]
+    → ([..., C/2] uint8, [..., 1] float32 lo, [..., 1] float32 step)``."""
+    packed, lo, step = _run(aten_impl.encode_derivative, value, seed, bits=bits)
+    return packed.contiguous(), lo.contiguous(), step.contiguous()
+
+
+encode_derivative = torch.library.custom_op(
+    "hot_compile::encode_derivative", compiled_encode_derivative, mutates_args=()
+)
+
+
+@encode_derivative.register_fake
+def _(value, seed, bits):
+    side = (*value.shape[:-1], 1)
+    packed = value.new_empty((*value.shape[:-1], value.shape[-1] // 2), dtype=torch.uint8)
+    return packed, value.new_empty(side, dtype=torch.float32), value.new_empty(side, dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------------------ CPU kernels
 
 

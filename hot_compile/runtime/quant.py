@@ -153,3 +153,38 @@ def quantize_sawb(v: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * scale
+
+
+def quantize_range_stochastic(
+    v: torch.Tensor, bits: int, seed: torch.Tensor, *, salt: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unsigned ``bits``-bit codes of ``v`` over each row's range, unbiased, with 0 one of the levels.
+
+    ``step = (max(row) − min(row)) / (2^bits − 2)`` and ``lo = step·⌊min(row) / step⌋``, so the
+    levels ``lo + q·step`` (``q`` in ``0..2^bits − 1``) cover the row and include 0: a value of 0 (a
+    saturated GELU's derivative) is coded exactly, not as noise between two levels. ``q = ⌊(v − lo) /
+    step + u⌋``; ``E[lo + q·step] = v`` and every error is below one step. Returns uint8 codes (one
+    per value) and float32 ``lo``, ``step`` of shape 1 along the last dimension."""
+    if not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be an int in 2..{MAX_BITS}, got {bits!r}")
+    top = 2**bits - 1
+    v = v.float()
+    least = v.amin(dim=-1, keepdim=True)
+    step = guard_scale((v.amax(dim=-1, keepdim=True) - least) / (top - 1))
+    lo = torch.floor(least / step) * step
+    q = torch.floor((v - lo) / step + hash_uniform(v, seed, salt)).clamp(0, top).to(torch.uint8)
+    return q, lo, step
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes a byte along the last dimension (of even size): element ``2i`` in the low
+    nibble of byte ``i``, ``2i + 1`` in the high one."""
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The codes :func:`pack_nibbles` packed, as uint8 of twice the last dimension."""
+    n = packed.shape[-1]
+    pairs = packed.unsqueeze(-1).expand(*packed.shape, 2).reshape(*packed.shape[:-1], 2 * n)
+    shift = (torch.arange(2 * n, device=packed.device, dtype=torch.uint8) % 2) * 4
+    return (pairs >> shift) & 15
