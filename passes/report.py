@@ -7,10 +7,14 @@ import json
 from typing import Any, Iterator
 
 
+PRODUCT_PATHS = ("fwd", "gx", "gw")
+
+
 @dataclasses.dataclass(frozen=True)
 class SiteRow:
     """One product site of one layer: a linear's or a convolution's (forward, grad_input,
-    grad_weight), or an attention's backward (path ``"attn"``, :mod:`.attention_precision`).
+    grad_weight), an attention's backward (path ``"attn"``, :mod:`.attention_precision`), or a value
+    the forward saves for the backward (path ``"saved"``, :mod:`.saved_activations`).
 
     ``numerics`` names what a rewritten site computes: ``INT8 g per_token, W per_channel`` for HQ,
     ``INT8 rank 16 per_channel`` for HLA, each choice followed by its source where it is not the
@@ -23,10 +27,10 @@ class SiteRow:
     """
 
     module: str
-    path: str  # "gx" (grad_input), "gw" (grad_weight), "fwd" (the forward, HotConfig.forward_bits), "attn"
+    path: str  # "gx" (grad_input), "gw" (grad_weight), "fwd" (the forward, HotConfig.forward_bits), "attn", "saved"
     shape: str  # "L×N @ N×K" for gx, "N×L @ L×K" for gw
     dtype: str
-    decision: str  # "HQ", "HLA+ABC", "float32" (an attention backward) or "kept"
+    decision: str  # "HQ", "HLA+ABC", "float32" (an attention backward), "int8" or "f' 4-bit" (a saved value), "kept"
     reason: str
     saved_bytes_before: int | None = None
     saved_bytes_after: int | None = None
@@ -85,9 +89,13 @@ class Report:
     def select(self, *, path: str | None = None, decision: str | None = None) -> list[SiteRow]:
         return [r for r in self.rows if (path is None or r.path == path) and (decision is None or r.decision == decision)]
 
+    def products(self) -> list[SiteRow]:
+        """The rows of linear and convolution products (paths ``fwd``, ``gx``, ``gw``)."""
+        return [r for r in self.rows if r.path in PRODUCT_PATHS]
+
     def rewritten(self) -> list[SiteRow]:
         """The rows whose product the pass replaced (HQ or HLA+ABC)."""
-        return [r for r in self.rows if r.decision != "kept"]
+        return [r for r in self.products() if r.decision != "kept"]
 
     def cells(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
         """Column headers and the formatted cells of every row (for text, Markdown or rich tables)."""

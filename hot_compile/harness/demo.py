@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if hot.report is not None:
         print(
-            f"linear products rewritten (forward and backward): {len(hot.report.rewritten())} of {len(hot.report)} "
+            f"linear products rewritten (forward and backward): {len(hot.report.rewritten())} of {len(hot.report.products())} "
             f"({100 * hot.rewritten_fraction:.0f}%)\n\n{hot.report.table()}"
         )
     else:

@@ -105,7 +105,7 @@ class RunResult:
         """The share of the model's linear products (forward and backward) the HOT pass rewrote (its report rows)."""
         if not self.report:
             return None
-        return len(self.report.rewritten()) / len(self.report)
+        return len(self.report.rewritten()) / len(self.report.products())
 
     @property
     def first_step_seconds(self) -> float:

@@ -68,4 +68,4 @@ def gradient_error(
     report = hot_compile.last_report()
     if report is None:
         return GradientError(error, noise, 0, 0)
-    return GradientError(error, noise, len(report.rewritten()), len(report))
+    return GradientError(error, noise, len(report.rewritten()), len(report.products()))
