@@ -15,7 +15,7 @@ import torch
 
 from .observability import report
 from .config import HotConfig, split_options
-from .inductor_pass import HotJointPass, parameter_inputs
+from .inductor_pass import HotJointPass, HotPartitioner, parameter_inputs
 from .observability.inspection import NO_COMPILE_ID, record_partition
 
 
@@ -44,6 +44,10 @@ def compile_with_hot(
     patches["joint_custom_post_pass"] = _chain_joint_passes(
         patches.get("joint_custom_post_pass", torch._inductor.config.joint_custom_post_pass), hot_pass
     )
+    existing = patches.get("custom_partitioner_fn", torch._inductor.config.custom_partitioner_fn)
+    if isinstance(existing, HotPartitioner):  # a user's HOT partitioner is replaced, as the joint pass is
+        existing = existing.inner
+    patches["custom_partitioner_fn"] = HotPartitioner(hot_pass, existing)
     published = report.publications()
     compiled = compile_fx(gm, example_inputs, inner_compile=_showing_partitions(config), config_patches=patches)
     _keep_report(gm, example_inputs, hot_pass, ran=report.publications() != published)

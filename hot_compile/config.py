@@ -15,7 +15,8 @@ POLICIES = ("balanced", "hot", "speed", "memory", "off")
 # Keys a per-module override may set.
 OVERRIDABLE = (
     "policy", "gx_bits", "gw_bits", "rank", "gx_quantizer", "weight_quantizer", "gw_quantizer", "rewrite_gx",
-    "rewrite_gw", "hadamard", "max_slowdown", "exact_loss_head", "forward_bits",
+    "rewrite_gw", "hadamard", "max_slowdown", "exact_loss_head", "forward_bits", "compress_saved",
+    "saved_derivative_bits",
 )  # fmt: skip
 GX_QUANTIZERS = ("per_token", "per_tensor")
 WEIGHT_QUANTIZERS = ("per_channel", "stochastic", "sawb")
@@ -102,6 +103,15 @@ class HotConfig:
         rewrite_gw: rewrite grad_weight products (HLA with ABC); off leaves them and ``x`` as they were.
         hadamard: transform before quantizing in HQ; off quantizes ``g`` and ``W`` as they are (plain
             INT4, the baseline the paper argues against).
+        compress_saved: not the paper's: every other float activation the partitioner saves for the
+            backward (LayerNorm and residual inputs, attention's query, key, value and output) is
+            saved as int8 rows with one float32 scale per row, and a GELU's input as the 4-bit code
+            of its derivative (:mod:`hot_compile.passes.saved_activations`), under every policy but
+            ``"speed"`` and ``"off"``; rows of path ``"saved"`` in the report. Off by default: it
+            costs 4–9% of a step and 1.4–1.9× the compile time (BENCHMARKS.md).
+        saved_derivative_bits: with ``compress_saved``, the width of the code a pointwise function's
+            derivative (GELU's) is saved in: 4, or None to save that function's input as int8 rows
+            like every other value.
         strict: raise on a pass failure instead of warning and compiling the graph unchanged.
         plan: a :class:`~hot_compile.plan.QuantizerPlan` (or the path of one saved as JSON) from
             :func:`hot_compile.select_quantizers`: per-layer ``gx_quantizer`` and, where the data allow it,
@@ -126,6 +136,8 @@ class HotConfig:
     rewrite_gx: bool = True
     rewrite_gw: bool = True
     hadamard: bool = True
+    compress_saved: bool = False
+    saved_derivative_bits: int | None = 4
     strict: bool = False
     plan: Any = None
     dump_dir: str | None = dataclasses.field(default_factory=lambda: os.environ.get("HOT_DUMP_DIR") or None)
@@ -146,6 +158,8 @@ class HotConfig:
             type(self.forward_bits) is not int or not MIN_BITS <= self.forward_bits <= MAX_BITS
         ):
             _fail("forward_bits", self.forward_bits, f"None, 'auto' or an int in {MIN_BITS}..{MAX_BITS}")
+        if self.saved_derivative_bits not in (None, 4) or isinstance(self.saved_derivative_bits, bool):
+            _fail("saved_derivative_bits", self.saved_derivative_bits, "4 or None")
         if type(self.rank) is not int or not 1 <= self.rank <= 16:
             _fail("rank", self.rank, "an int in 1..16")
         if self.gx_quantizer not in GX_QUANTIZERS:
@@ -154,7 +168,7 @@ class HotConfig:
             _fail("weight_quantizer", self.weight_quantizer, " | ".join(map(repr, WEIGHT_QUANTIZERS)))
         if self.gw_quantizer not in GW_QUANTIZERS:
             _fail("gw_quantizer", self.gw_quantizer, " | ".join(map(repr, GW_QUANTIZERS)))
-        for key in ("rewrite_gx", "rewrite_gw", "hadamard", "strict", "exact_loss_head"):
+        for key in ("rewrite_gx", "rewrite_gw", "hadamard", "compress_saved", "strict", "exact_loss_head"):
             if type(getattr(self, key)) is not bool:
                 _fail(key, getattr(self, key), "True or False")
         if self.dump_dir is not None:
@@ -233,6 +247,10 @@ class HotConfig:
         if unknown:
             raise ValueError(f"unknown HotConfig key(s) {sorted(unknown)}: accepted keys are {list(self.fields())}")
         return dataclasses.replace(self, **changes)
+
+    def any_module(self, key: str) -> bool:
+        """Whether ``key`` is true in this config or in any override (a setting some module may get)."""
+        return bool(getattr(self, key)) or any(dict(values).get(key) for _, values in self.overrides)
 
     def selects(self, module_path: str) -> bool:
         """Whether ``module_path`` passes the include/exclude globs."""

@@ -14,16 +14,16 @@ import warnings
 import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn, get_hash_for_files
 
 from . import config as config_module, passes, plan as plan_module, runtime
 from .config import HotConfig
 from .observability import inspection
 from .observability.report import publish
-from .passes import run_hot_pass
+from .passes import run_hot_pass, run_saved_pass
 from .runtime.devices import load_calibrated, resolve_profile
 
-__all__ = ["GRAPH_SHAPING_SOURCES", "HotJointPass", "HotPassWarning", "joint_pass"]
+__all__ = ["GRAPH_SHAPING_SOURCES", "HotJointPass", "HotPartitioner", "HotPassWarning", "joint_pass"]
 
 
 class HotPassWarning(UserWarning):
@@ -48,6 +48,14 @@ GRAPH_SHAPING_SOURCES: tuple[pathlib.Path, ...] = (
 )
 
 
+def _fail_softly(config: HotConfig, what: str, exc: Exception) -> None:
+    """Raise ``exc`` under ``strict``; else count the failure and warn once, naming ``what`` happened."""
+    if config.strict:
+        raise exc
+    counters["hot"]["graphs_failed"] += 1
+    warnings.warn(f"hot_compile: {what} ({type(exc).__name__}: {exc})", HotPassWarning, stacklevel=3)
+
+
 class HotJointPass(CustomGraphPass):
     """Inductor joint-graph pass applying HOT under a fixed :class:`HotConfig`."""
 
@@ -55,8 +63,11 @@ class HotJointPass(CustomGraphPass):
         self.config = config or HotConfig()
         # Which inputs of the compiled function are parameters (the backend knows; see run_hot_pass).
         self.parameters = parameters
+        # The report of the graph this pass last rewrote, for the partitioner's rows; None after a failure.
+        self.report = None
 
     def __call__(self, graph: fx.Graph) -> None:
+        self.report = None
         compile_id = torch._guards.CompileContext.current_compile_id()
         inspected = inspection.JointGraphInspection(graph, self.config, compile_id)
         name = inspected.name
@@ -64,17 +75,10 @@ class HotJointPass(CustomGraphPass):
             report = run_hot_pass(graph, self.config, name, self.parameters)
         except Exception as exc:
             inspected.finish(graph, error=exc)
-            if self.config.strict:
-                raise
-            counters["hot"]["graphs_failed"] += 1
-            warnings.warn(
-                f"hot_compile: the HOT pass failed on graph {name} and left it unchanged "
-                f"({type(exc).__name__}: {exc})",
-                HotPassWarning,
-                stacklevel=2,
-            )
+            _fail_softly(self.config, f"the HOT pass failed on graph {name} and left it unchanged", exc)
             return
         publish(report)
+        self.report = report
         inspected.finish(graph, report)
 
     def uuid(self) -> bytes | None:
@@ -93,6 +97,45 @@ class HotJointPass(CustomGraphPass):
             f"|{resolve_profile(torch.device('cpu')).name}|{parameters}"
         )
         return get_hash_for_files(tuple(str(p) for p in GRAPH_SHAPING_SOURCES), extra=extra)
+
+
+class HotPartitioner(CustomPartitionerFn):
+    """Inductor's partitioner (or the one a user set as ``custom_partitioner_fn``), then the
+    compression of what its forward saves for the backward (:func:`hot_compile.passes.run_saved_pass`).
+
+    Its rows join the report of the graph ``joint_pass`` rewrote. Where that pass failed, or this one
+    does, the partition is returned as the partitioner made it (and a failure warns once).
+    """
+
+    def __init__(self, joint_pass: HotJointPass, inner: CustomPartitionerFn | None = None):
+        self.joint_pass = joint_pass
+        self.inner = inner
+
+    def _partition(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+        if self.inner is not None:
+            return self.inner(gm, joint_inputs, **kwargs)
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+        fw, bw = self._partition(gm, joint_inputs, **kwargs)
+        report, config = self.joint_pass.report, self.joint_pass.config
+        if report is None or not config.any_module("compress_saved"):
+            return fw, bw
+        try:
+            rows = run_saved_pass(fw, bw, kwargs["num_fwd_outputs"], config, self.joint_pass.parameters)
+        except Exception as exc:
+            what = f"compressing the saved activations of graph {report.graph} failed; they are saved as the partitioner chose"
+            _fail_softly(config, what, exc)
+            return self._partition(gm, joint_inputs, **kwargs)
+        report.rows.extend(rows)
+        return fw, bw
+
+    def uuid(self) -> bytes | None:
+        joint = self.joint_pass.uuid()
+        inner = "min_cut" if self.inner is None else self.inner.uuid()
+        return None if joint is None or inner is None else f"{joint}|{inner}".encode()
 
 
 def joint_pass(config: HotConfig | None = None) -> HotJointPass:

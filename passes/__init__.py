@@ -36,11 +36,13 @@ from .report import Report, SiteRow
 from .rewrite_conv import compressed_conv_input, retire_conv_backward, rewrite_conv_grad_input, rewrite_conv_grad_weight
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
-from .sites import LinearSite, WeightLike, backward_nodes, find_linear_sites, same_value
+from .saved_activations import compress_saved_values, find_saved_values, saved_row
+from .saved_activations import why_not_selected as why_saved_not_selected
+from .sites import LinearSite, WeightLike, backward_nodes, find_linear_sites, module_path, same_value
 from .unbatch import unbatch_weight_products
 from .unmatched import UnmatchedProduct, find_unmatched_products
 
-__all__ = ["Report", "SiteRow", "run_hot_pass"]
+__all__ = ["Report", "SiteRow", "run_hot_pass", "run_saved_pass"]
 
 
 def _hint(n) -> int:
@@ -330,3 +332,24 @@ def run_hot_pass(
     hot["sites_rewritten"] += len(rewritten) + len(upcast)
     hot["sites_kept"] += len(rows) - len(rewritten) - len(upcast)
     return Report(graph_name, rows)
+
+
+def run_saved_pass(
+    fw: fx.GraphModule,
+    bw: fx.GraphModule,
+    num_fwd_outputs: int,
+    config: HotConfig,
+    parameters: frozenset[int] | None = None,
+) -> list[SiteRow]:
+    """Compress what the partitioned forward ``fw`` saves for ``bw`` (:mod:`.saved_activations`) in
+    place; returns a row for each saved activation. ``parameters`` as for :func:`run_hot_pass`."""
+    saved = find_saved_values(fw, bw, num_fwd_outputs, parameters)
+    for s in saved:
+        s.reason = s.reason or why_saved_not_selected(module_path(s.forward), config)
+        if config.for_module(module_path(s.forward)).saved_derivative_bits is None:
+            s.factor = None
+    compress_saved_values(fw, bw, saved)
+    profiles: dict = {}
+    rows = [saved_row(s, _profile(s.forward.meta["val"].device, config, profiles)) for s in saved]
+    counters["hot"]["saved_compressed"] += sum(r.decision != "kept" for r in rows)
+    return rows

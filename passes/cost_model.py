@@ -114,6 +114,28 @@ def grad_weight_cost(
     )
 
 
+def saved_compression_cost(
+    numel: int, rows: int, elem_bytes: int, code_bits: int, scales: int, profile: DeviceProfile
+) -> SiteCost:
+    """A saved activation of ``numel`` values in ``rows`` rows, kept as ``code_bits``-bit codes with
+    ``scales`` float32 numbers a row (:mod:`~hot_compile.passes.saved_activations`) instead of ``b``
+    bytes a value; ``p = numel·code_bits/8 + 4·scales·rows`` bytes.
+
+    original = 0: the tensor is written in the forward and read in the backward either way;
+    coded = the forward's row reductions and rounding ``2·numel·b / R + p / W`` + the backward's
+    decoding ``p / R + numel·b / W`` + ``2c``, saving ``numel·b − p`` bytes.
+    """
+    packed = numel * code_bits // 8 + 4 * scales * rows
+    hot = (
+        2 * numel * elem_bytes / profile.read_bw
+        + packed / profile.write_bw
+        + packed / profile.read_bw
+        + numel * elem_bytes / profile.write_bw
+        + 2 * profile.kernel_overhead
+    )
+    return SiteCost(0.0, hot, saved_bytes_before=numel * elem_bytes, saved_bytes_after=packed)
+
+
 def forward_cost(l: int, n: int, k: int, elem_bytes: int, flops: float, profile: DeviceProfile, bits: int) -> SiteCost:
     """forward ``[L, K] @ [K, N]`` with ``bits``-bit operands (``HotConfig.forward_bits``): HQ's
     costs with the roles of ``N`` and ``K`` exchanged, the contraction being ``K``.

@@ -7,11 +7,10 @@ import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import detect_fake_mode
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
 from hot_compile import HotConfig
-from hot_compile.inductor_pass import HotJointPass, parameter_inputs
+from hot_compile.inductor_pass import HotJointPass, HotPartitioner, parameter_inputs
 
 
 class Graphs:
@@ -32,7 +31,8 @@ class Graphs:
 
 def aot_compile(model, config: HotConfig | None = None, pass_cls=HotJointPass, **compile_kwargs):
     """``torch.compile`` with an aot_autograd backend running the HOT pass on the joint graph, then the
-    min-cut partitioner, with Inductor's decompositions but no Inductor codegen.
+    min-cut partitioner and the compression of what it saves (:class:`HotPartitioner`, as the backend
+    does), with Inductor's decompositions but no Inductor codegen.
 
     Guards the pass adds to the shape environment are recorded in ``graphs.new_guards``."""
     graphs = Graphs()
@@ -47,7 +47,7 @@ def aot_compile(model, config: HotConfig | None = None, pass_cls=HotJointPass, *
         joint.graph.lint()
         joint.recompile()
         graphs.joint = joint
-        graphs.forward, graphs.backward = min_cut_rematerialization_partition(joint, inputs, **kwargs)
+        graphs.forward, graphs.backward = HotPartitioner(hot_pass)(joint, inputs, **kwargs)
         return graphs.forward, graphs.backward
 
     def boxed(gm, _):

@@ -82,3 +82,14 @@ CONV_HLA_PRODUCT = INT8_PER_SLICE_PRODUCT * 1.5**0.5
 # A small ResNet-style stack: a parameter's gradient carries its own grad_weight error and those of the
 # ≤ MAX_STACKED_GRAD_INPUTS rewritten grad_inputs above it, independent, so in quadrature.
 E2E_GRAD_CONV = (CONV_HLA_PRODUCT**2 + MAX_STACKED_GRAD_INPUTS * INT8_PER_SLICE_PRODUCT**2) ** 0.5
+
+# Saved activations (hot_compile.passes.saved_activations). Int8 rows: s = max|row|/127, round to
+# nearest, so every value is back within half a level, max|row|/254. A few float32 roundings (the
+# cast, the division, the product with the scale) add at most this much relative to the row's max.
+HALF_INT8_LEVEL = 1 / 254
+FP32_ROUNDINGS = 4 * 2**-24
+# The 4-bit code of GELU's derivative: each value within one step of its row's range, which is at
+# most 1.13 + 0.17 = 1.3 over 2⁴ − 2 = 14 steps; against a derivative of rms ≥ 0.5 (inputs of unit
+# scale), a gradient through it is off by at most 0.093 / 0.5 relative. The int8 rows of the other
+# saved values add 1/254 each, within that margin.
+E2E_GRAD_SAVED_CODES = (1.3 / 14) / 0.5

@@ -38,7 +38,7 @@ def profile_model(model: str, variants: tuple[str, ...], threads: int) -> str:
     case = bench_cases.build_case(model, spec)
     if isinstance(case, str):
         return f"**{model}**: skipped, {case}\n"
-    runners = [bench_cases.Runner(v, case, fresh_cache=False, hot_policy=spec.hot_policy) for v in variants]
+    runners = [bench_cases.Runner(v, case, fresh_cache=False, options=spec.hot_options()) for v in variants]
     for runner in runners:
         runner.first_step()
     for i in range(WARMUP):

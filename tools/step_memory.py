@@ -25,17 +25,19 @@ MIB = 1 << 20
 WARMUP = 2
 
 
-def _child(model: str, variant: str, threads: int, hot_policy: str | None) -> dict:
+def _child(model: str, variant: str, threads: int, hot_policy: str | None, compress_saved: int | None) -> dict:
     import torch
 
     from hot_compile.harness import bench_cases
 
     torch.set_num_threads(threads)
-    spec = bench_cases.BenchSpec(models=(model,), variants=(variant,), fresh_cache=False, hot_policy=hot_policy)
+    spec = bench_cases.BenchSpec(
+        models=(model,), variants=(variant,), fresh_cache=False, hot_policy=hot_policy, hot_compress_saved=compress_saved
+    )
     case = bench_cases.build_case(model, spec)
     if isinstance(case, str):
         return {"model": model, "variant": variant, "skipped": case}
-    runner = bench_cases.Runner(variant, case, fresh_cache=False, hot_policy=spec.hot_policy)
+    runner = bench_cases.Runner(variant, case, fresh_cache=False, options=spec.hot_options())
     runner.first_step()
     for i in range(WARMUP):
         runner.step(i + 1)
@@ -81,17 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_selection_arguments(parser, bench_cases.HOT_AND_INDUCTOR)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hot-policy", choices=POLICIES, default=None, help="HotConfig.policy of the hot variants (default: none given)")
+    parser.add_argument("--hot-compress-saved", type=int, choices=(0, 1), default=None, help="HotConfig.compress_saved of the hot variants (default: none given)")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(_child(*args.child, args.threads, args.hot_policy)))
+        print(json.dumps(_child(*args.child, args.threads, args.hot_policy, args.hot_compress_saved)))
         return 0
     rows = []
     for model in args.models:
         for variant in args.variants:
             command = [sys.executable, __file__, "--child", model, variant, "--threads", str(args.threads), "--out", "-"]
             command += ["--hot-policy", args.hot_policy] if args.hot_policy else []
+            command += ["--hot-compress-saved", str(args.hot_compress_saved)] if args.hot_compress_saved is not None else []
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)

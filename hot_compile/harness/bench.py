@@ -112,7 +112,7 @@ def run_case(case: Case, spec: BenchSpec, log: Callable[[str], None]) -> list[di
         if why:
             log(f"  {variant}: skipped, {why}")
             continue
-        runner = Runner(variant, case, spec.fresh_cache, spec.hot_policy, spec.hot_forward_bits)
+        runner = Runner(variant, case, spec.fresh_cache, spec.hot_options())
         runner.first_step()
         log(f"  {variant}: first step (compile) {runner.first_step_s:.1f} s")
         runners.append(runner)

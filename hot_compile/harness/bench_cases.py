@@ -57,6 +57,7 @@ class BenchSpec:
     fresh_cache: bool = True
     hot_policy: str | None = None  # HotConfig.policy of the hot variants; None: the default, no option
     hot_forward_bits: int | None = None  # HotConfig.forward_bits of the hot variants
+    hot_compress_saved: int | None = None  # 0: HotConfig.compress_saved=False for the hot variants
     seed: int = 0
 
     def __post_init__(self):
@@ -67,17 +68,19 @@ class BenchSpec:
         if self.hot_policy is not None and self.hot_policy not in POLICIES:
             raise ValueError(f"hot_policy={self.hot_policy!r}: accepted are {POLICIES}")
         HotConfig(**self.hot_options())  # a bad hot_forward_bits fails here, with HotConfig's message
+        if self.hot_compress_saved not in (None, 0, 1):
+            raise ValueError(f"hot_compress_saved={self.hot_compress_saved!r}: accepted are 0 and 1")
         if self.repeats < 1 or self.warmup < 0 or self.inputs < 1:
             raise ValueError("repeats and inputs must be ≥ 1 and warmup ≥ 0")
 
     def hot_options(self) -> dict[str, Any]:
         """The ``options`` of the hot variants' ``torch.compile``."""
-        return hot_options(self.hot_policy, self.hot_forward_bits)
+        return hot_options(self.hot_policy, self.hot_forward_bits, self.hot_compress_saved)
 
 
-def hot_options(policy: str | None, forward_bits: int | None = None) -> dict[str, Any]:
+def hot_options(policy: str | None, forward_bits: int | None = None, compress_saved: int | None = None) -> dict[str, Any]:
     """``torch.compile`` options of a hot variant: none for the defaults a user gets."""
-    settings = {"policy": policy, "forward_bits": forward_bits}
+    settings = {"policy": policy, "forward_bits": forward_bits, "compress_saved": None if compress_saved is None else bool(compress_saved)}
     return {key: value for key, value in settings.items() if value is not None}
 
 
@@ -218,12 +221,10 @@ def _reset_peak_rss() -> bool:
 class Runner:
     """One compiled variant of a case, with its own copy of the weights."""
 
-    def __init__(
-        self, variant: str, case: Case, fresh_cache: bool, hot_policy: str | None, hot_forward_bits: int | None = None
-    ):
+    def __init__(self, variant: str, case: Case, fresh_cache: bool, options: dict[str, Any]):
         self.variant, self.case, self.fresh_cache = variant, case, fresh_cache
         self.model = case.build()
-        self.compiled = _compile(variant, self.model, hot_options(hot_policy, hot_forward_bits))
+        self.compiled = _compile(variant, self.model, options)
         # After compiling: torchao swaps the weights for its own parameters.
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.fwd_bwd: list[float] = []

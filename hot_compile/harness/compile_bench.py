@@ -77,7 +77,7 @@ def measure(variant: str, model: str, batch: int | None, steps: int, hot_policy:
     if isinstance(case, str):
         raise RuntimeError(f"{model}: {case}")
     bench.initialize_compiler()
-    runner = bench_cases.Runner(variant, case, fresh_cache=False, hot_policy=hot_policy)
+    runner = bench_cases.Runner(variant, case, fresh_cache=False, options=spec.hot_options())
     cache = counters["inductor"]
     hits, misses = cache["fxgraph_cache_hit"], cache["fxgraph_cache_miss"]
     runner.first_step()

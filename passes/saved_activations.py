@@ -1,0 +1,376 @@
+"""Saved activations → int8 rows, or 4-bit codes of a derivative: what the partitioner keeps for the
+backward, compressed.
+
+HOT's ABC compresses each rewritten linear's input. The rest of what the forward keeps for the
+backward (LayerNorm and residual inputs, GELU inputs, attention's query, key, value and output) stays
+in the float dtype. This rewrite works on the partitioner's output, so its candidates are exactly the
+tensors the forward hands the backward. Each float intermediate becomes one of two codes:
+
+* **a 4-bit derivative** (after Few-Bit Backward, Novikov et al., ICML 2023): where the backward reads
+  ``x`` only through one pointwise function ``f(x)`` that multiplies a gradient (GELU's and SiLU's
+  derivatives, as Inductor's decomposition writes them), the forward computes ``f(x)`` and saves it
+  in 4 bits, two codes a byte, over each row's range with stochastic rounding
+  (:func:`~hot_compile.runtime.quant.quantize_range_stochastic`): unbiased, every error below one
+  step ``(max f − min f) / 15`` of its row;
+* **int8 rows** otherwise: one float32 scale per row of at least :data:`MIN_ROW` values, round to
+  nearest (``s = max|row| / 127``), dequantized where the backward first reads it; every error is at
+  most half a level, ``max|row| / 254``.
+
+Graph inputs and parameters are left alone (they outlive the step anyway). Kept, each with a report
+row that says why: non-float tensors, tensors marked MUST_SAVE (HOT's own compressed buffers),
+outputs of the forward, values computed from parameters alone (a weight's cast: the exact products
+reading it stay exact), tensors whose rows are shorter than :data:`MIN_ROW` (a LayerNorm's mean and
+reciprocal deviation: a scale per row would not shrink them), an attention's log-sum-exp (it sets
+the probabilities' scale: an error of half a level multiplies every probability of the row),
+attention masks (an additive mask may hold ``-inf``) and broadcast views.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..runtime import ops
+from ..runtime.quant import dequantize, unpack_nibbles
+from .cost_model import saved_compression_cost
+from .inline import insert_traced
+from .provenance import provenance
+from .report import SiteRow
+from .sites import WeightLike, module_path
+
+aten = torch.ops.aten
+REWRITE = "compress_saved"
+ROW_BITS = 8
+DERIVATIVE_BITS = 4
+# Shortest row worth a float32 scale of its own: 4 bytes per 16 int8 values.
+MIN_ROW = 16
+INT8_ROWS = "int8"
+DERIVATIVE = "f' 4-bit"
+
+_ATTENTION_FORWARDS = (
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+)
+_ATTENTION_BACKWARDS = (
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
+)
+_MULTIPLY = (aten.mul.Tensor,)
+# Views a pointwise function may read its input through (Inductor's decomposition reshapes a linear's
+# 2-D output back to the activation's shape before the GELU).
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.squeeze.dim, aten.unsqueeze.default)
+
+
+@dataclasses.dataclass
+class PointwiseFactor:
+    """The backward's pointwise function ``f(x)`` of a saved ``x``: its nodes, in graph order, and the
+    node of ``f(x)``, whose every other reader multiplies it by a gradient."""
+
+    nodes: list[fx.Node]
+    value: fx.Node
+
+    def describe(self) -> str:
+        return "·".join(dict.fromkeys(str(n.target).removeprefix("aten.").split(".")[0] for n in self.nodes))
+
+
+@dataclasses.dataclass
+class SavedValue:
+    """One tensor the forward hands the backward: its node in each graph and what becomes of it."""
+
+    forward: fx.Node
+    backward: fx.Node  # the backward graph's placeholder of the same name
+    reason: str | None  # why it is kept; None: compressed
+    factor: PointwiseFactor | None = None  # set: saved as the 4-bit code of f(x)
+
+    @property
+    def decision(self) -> str:
+        if self.reason is not None:
+            return "kept"
+        return DERIVATIVE if self.factor is not None else INT8_ROWS
+
+
+def _hint(n) -> int:
+    return optimization_hint(n)
+
+
+def _is_log_sum_exp(node: fx.Node) -> bool:
+    return node.target is operator.getitem and node.args[0].target in _ATTENTION_FORWARDS and node.args[1] == 1
+
+
+def _is_attention_mask(placeholder: fx.Node) -> bool:
+    return any(u.target in _ATTENTION_BACKWARDS and u.kwargs.get("attn_mask") is placeholder for u in placeholder.users)
+
+
+def memory_order(val: torch.Tensor) -> list[int] | None:
+    """The permutation of ``val``'s dimensions that is contiguous, where ``val`` is dense with unit
+    stride along its last dimension (its rows lie whole in memory); None otherwise. Codes are made in
+    this order, so that the backward gets back the strides it was traced with."""
+    shape, stride = [_hint(d) for d in val.shape], [_hint(d) for d in val.stride()]
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
+    expected = 1
+    for d in reversed(order):
+        if shape[d] != 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    return order if order[-1] == len(shape) - 1 else None
+
+
+def _reads_any_layout(node: fx.Node) -> bool:
+    return node.target in _ATTENTION_BACKWARDS or torch.Tag.pointwise in getattr(node.target, "tags", ())
+
+
+def why_kept(node: fx.Node, placeholder: fx.Node, inner_outputs: set[fx.Node], weight_like: WeightLike) -> str | None:
+    """Why the saved ``node`` stays as it is; None where it is compressed. Cheap checks first."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+        return f"not a float tensor ({getattr(val, 'dtype', type(val).__name__)})"
+    if node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
+        return "marked MUST_SAVE: HOT's compressed buffers, or a checkpoint policy's choice"
+    if node in inner_outputs:
+        return "also an output of the forward: the caller holds it anyway"
+    if val.dim() == 0 or not isinstance(val.shape[-1], int) or val.shape[-1] < MIN_ROW:
+        return f"rows shorter than {MIN_ROW} values: a scale per row would not shrink it"
+    if any(statically_known_true(s == 0) for s in val.stride()):
+        return "a broadcast view (a stride of 0)"
+    if _is_log_sum_exp(node):
+        return "an attention's log-sum-exp: half a level of error would scale a row of probabilities"
+    if _is_attention_mask(placeholder):
+        return "an attention mask: an additive mask may hold -inf"
+    if weight_like(node):
+        return "computed from parameters alone (a weight's cast): the exact products that read it stay exact"
+    if memory_order(val) is None:
+        fixed = [u for u in placeholder.users if not _reads_any_layout(u)]
+        if fixed:
+            return f"a strided view read by {fixed[0].target}, which needs its layout as it is"
+    return None
+
+
+def _pointwise(node: fx.Node) -> bool:
+    return node.op == "call_function" and (node.target in _VIEWS or torch.Tag.pointwise in getattr(node.target, "tags", ()))
+
+
+def pointwise_factor(placeholder: fx.Node) -> PointwiseFactor | None:
+    """The one pointwise function of ``placeholder`` through which the backward reads it, where its
+    value only multiplies other tensors (a derivative times a gradient); None otherwise.
+
+    The function is the set of pointwise nodes (and views) computed from ``placeholder`` and
+    constants alone. It qualifies when every reader of ``placeholder`` is in it, one of its nodes
+    (``f(x)``, as many values as ``x``, an even number of them a row: two codes a byte) is read
+    outside it, and only by ``mul`` nodes.
+    """
+    inside: set[fx.Node] = {placeholder}
+    nodes: list[fx.Node] = []
+    frontier = list(placeholder.users)
+    while frontier:  # users of the set whose every input is in it, until none is left
+        grown = [n for n in frontier if n not in inside and _pointwise(n) and all(a in inside for a in n.all_input_nodes)]
+        if not grown:
+            break
+        inside.update(grown)
+        nodes.extend(grown)
+        frontier = [u for n in grown for u in n.users]
+    if not nodes or any(u not in inside for u in placeholder.users):
+        return None
+    read_outside = [n for n in nodes if any(u not in inside for u in n.users)]
+    if len(read_outside) != 1:
+        return None
+    (value,) = read_outside
+    val, x = value.meta.get("val"), placeholder.meta["val"]
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dim() == 0:
+        return None
+    if not statically_known_true(val.numel() == x.numel()) or not statically_known_true(val.shape[-1] % 2 == 0):
+        return None
+    if any(u.target not in _MULTIPLY for u in value.users if u not in inside):
+        return None
+    order = {n: i for i, n in enumerate(placeholder.graph.nodes)}
+    return PointwiseFactor(sorted(nodes, key=order.__getitem__), value)
+
+
+def find_saved_values(
+    fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, parameters: frozenset[int] | None
+) -> list[SavedValue]:
+    """The tensors the partitioned forward saves for the backward, each matched to its placeholder;
+    ``parameters`` are the indices of the compiled function's inputs that are parameters."""
+    weight_like = WeightLike(fw.graph, parameters)
+    outputs = fw.graph.output_node().args[0]
+    inner = {n for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node)}
+    placeholders = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    saved = []
+    for node in outputs[num_fwd_outputs:]:
+        if not isinstance(node, fx.Node) or node.op == "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue  # inputs and parameters outlive the step anyway; symbolic sizes travel separately
+        placeholder = placeholders[node.name]
+        reason = why_kept(node, placeholder, inner, weight_like)
+        factor = pointwise_factor(placeholder) if reason is None else None
+        saved.append(SavedValue(node, placeholder, reason, factor))
+    return saved
+
+
+def why_not_selected(module: str, config) -> str | None:
+    """Why the config leaves ``module``'s saved values as they are (policy, option, globs)."""
+    config = config.for_module(module)
+    if config.policy == "off":
+        return "policy='off'"
+    if config.policy == "speed":
+        return "policy='speed': compressing adds passes and saves no time"
+    if not config.compress_saved:
+        return "compress_saved=False"
+    if not config.selects(module):
+        return "excluded by include/exclude globs"
+    return None
+
+
+def _unique_name(name: str, *graphs: fx.Graph) -> str:
+    taken = {n.name for g in graphs for n in g.nodes}
+    candidate, i = name, 0
+    while candidate in taken:
+        i += 1
+        candidate = f"{name}_{i}"
+    return candidate
+
+
+def _renamed(graph: fx.Graph, node: fx.Node, name: str) -> fx.Node:
+    """A copy of ``node`` named ``name`` in its place (forward outputs and backward inputs pair by name)."""
+    with graph.inserting_after(node):
+        copy = graph.create_node(node.op, node.target, node.args, node.kwargs, name=name)
+    copy.meta = dict(node.meta)
+    node.replace_all_uses_with(copy)
+    graph.erase_node(node)
+    return copy
+
+
+# One extern op encodes each saved value: a kernel shared by every site and shape (ops._run), where
+# Inductor fusing a row reduction into each producer made its own kernel, and the compile, per site.
+def _encoder_rows(order: list[int]):
+    def encode(x: torch.Tensor):
+        return ops.encode_rows(x.permute(order), ROW_BITS)
+
+    return encode
+
+
+def _encode_derivative(fx_value: torch.Tensor):
+    return ops.encode_derivative(fx_value, ops.draw_seed(fx_value), DERIVATIVE_BITS)
+
+
+def _order(val: torch.Tensor) -> list[int]:
+    """:func:`memory_order`, or the dimensions as they are for a view whose readers take any layout."""
+    return memory_order(val) or list(range(val.dim()))
+
+
+def _encode(graph: fx.Graph, s: SavedValue, created: list[fx.Node]) -> list[fx.Node]:
+    """Insert ``s``'s code into the forward after ``s.forward``; returns the nodes to save."""
+    meta = provenance(REWRITE, module_path(s.forward), "saved", s.forward, "forward")
+    if s.factor is None:
+        encode = _encoder_rows(_order(s.forward.meta["val"]))
+        return list(insert_traced(graph, encode, [s.forward], before=s.forward.next, meta=meta, created=created))
+    env = {s.backward: s.forward}
+    with graph.inserting_before(s.forward.next):
+        for node in s.factor.nodes:  # f(x), moved from the backward into the forward
+            env[node] = graph.node_copy(node, env.__getitem__)
+            env[node].meta.update(meta)
+            created.append(env[node])
+    value = env[s.factor.value]
+    return list(insert_traced(graph, _encode_derivative, [value], before=value.next, meta=meta, created=created))
+
+
+def _decode(graph: fx.Graph, s: SavedValue, inputs: list[fx.Node]) -> None:
+    """Insert ``s``'s decoding before its first reader in the backward, in place of what it stood for."""
+    meta = provenance(REWRITE, module_path(s.forward), "saved", s.forward, "backward")
+    stands_for = s.backward if s.factor is None else s.factor.value
+    dtype = stands_for.meta["val"].dtype
+    first_reader = next(n for n in graph.nodes if n in stands_for.users)
+    if s.factor is None:
+        order = _order(stands_for.meta["val"])
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+
+        def decode(q, scale):
+            return dequantize(q, scale).to(dtype).permute(inverse)
+
+    else:
+
+        def decode(packed, lo, step):
+            return (lo + unpack_nibbles(packed).float() * step).to(dtype)
+
+    restored = insert_traced(graph, decode, inputs, before=first_reader, meta=meta, created=[])
+    stands_for.replace_all_uses_with(restored)
+    if s.factor is not None:
+        for node in reversed(s.factor.nodes):
+            graph.erase_node(node)
+    graph.erase_node(s.backward)
+
+
+def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[SavedValue]) -> None:
+    """Save each compressed value of ``saved`` as its code; the backward decodes it before its first
+    reader. The forward's new nodes are built first, so a failure while building them leaves both
+    graphs as they were."""
+    fw_graph, bw_graph = fw.graph, bw.graph
+    chosen = [s for s in saved if s.reason is None]
+    created: list[fx.Node] = []
+    try:
+        codes = [_encode(fw_graph, s, created) for s in chosen]
+    except BaseException:
+        for node in reversed(created):
+            fw_graph.erase_node(node)
+        raise
+
+    replacement: dict[fx.Node, list[fx.Node]] = {}
+    for s, nodes in zip(chosen, codes):
+        suffixes = ("int8", "scale") if s.factor is None else ("df4", "df_lo", "df_step")
+        nodes = [_renamed(fw_graph, n, _unique_name(f"{s.forward.name}_{suffix}", fw_graph, bw_graph)) for n, suffix in zip(nodes, suffixes)]
+        replacement[s.forward] = nodes
+        inputs = []
+        with bw_graph.inserting_before(s.backward):
+            for node in nodes:
+                inputs.append(bw_graph.placeholder(node.name))
+                inputs[-1].meta = {"val": node.meta["val"]}
+        _decode(bw_graph, s, inputs)
+
+    output = fw_graph.output_node()
+    outs = []
+    for node in output.args[0]:
+        outs.extend(replacement.get(node, [node]))
+    output.args = (tuple(outs),)
+    fw.recompile()
+    bw.recompile()
+
+
+def saved_row(s: SavedValue, profile) -> SiteRow:
+    """The report row of one saved value: bytes before and after, and the added passes' estimate."""
+    val = s.forward.meta["val"]
+    numel = _hint(val.numel())
+    rows = numel // max(_hint(val.shape[-1]), 1) if val.dim() else 1
+    before = numel * val.element_size()
+    decision = s.decision
+    cost = None
+    if decision != "kept":
+        code_bits = ROW_BITS if s.factor is None else DERIVATIVE_BITS
+        scales = 1 if s.factor is None else 2
+        cost = saved_compression_cost(numel, rows, val.element_size(), code_bits, scales, profile)
+    if decision == INT8_ROWS:
+        reason, numerics = "error ≤ max|row|/254", "INT8 per row, round to nearest"
+    elif decision == DERIVATIVE:
+        reason = f"the backward reads it only through f(x) = {s.factor.describe()}, times a gradient: f(x) is saved"
+        numerics = "4-bit f(x) per row (min, step), stochastic rounding"
+    else:
+        reason, numerics = s.reason, "-"
+    return SiteRow(
+        module=module_path(s.forward),
+        path="saved",
+        shape="×".join(str(_hint(d)) for d in val.shape),
+        dtype=str(val.dtype).removeprefix("torch."),
+        decision=decision,
+        reason=reason,
+        saved_bytes_before=before,
+        saved_bytes_after=before if cost is None else cost.saved_bytes_after,
+        est_original_ms=None if cost is None else cost.original_s * 1e3,
+        est_hot_ms=None if cost is None else cost.hot_s * 1e3,
+        numerics=numerics,
+    )

@@ -1,0 +1,308 @@
+"""What the forward saves for the backward, compressed (:mod:`hot_compile.passes.saved_activations`):
+the codes against float64, the gradients each code gives within the bound of its bits, and what a
+compiled model saves."""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hot_compile
+from hot_compile import HotConfig
+from hot_compile.harness import models
+from hot_compile.inductor_pass import HotPassWarning
+from hot_compile.passes.saved_activations import DERIVATIVE, DERIVATIVE_BITS, INT8_ROWS
+from hot_compile.runtime import quant
+from tests import tolerances as tol
+from tests.data import make, rel_err
+from tests.harness import aot_compile
+
+# Products left exact, so that a gradient's error is the saved values' alone.
+EXACT_PRODUCTS = dict(rewrite_gx=False, rewrite_gw=False, forward_bits=None)
+ON = dict(strict=True, policy="hot", compress_saved=True)
+SEED = torch.tensor(7)
+
+
+def _gelu_derivative(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1 + torch.erf(x / math.sqrt(2))) + x * torch.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+
+
+# ------------------------------------------------------------------------------------------ the codes
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "lognormal", "outlier"])
+def test_int8_rows_are_within_half_a_level_of_float64(kind):
+    x = make(kind, 64, 96, dtype=torch.float64)
+    q, scale = quant.quantize_nearest(x.float(), 8, dim=-1)
+    error = (quant.dequantize(q, scale).double() - x).abs()
+    bound = x.abs().amax(dim=-1, keepdim=True) * (tol.HALF_INT8_LEVEL + tol.FP32_ROUNDINGS)
+    assert (error <= bound).all(), (error / bound).max()
+
+
+def test_derivative_code_is_unbiased_within_a_step_and_codes_zero_exactly():
+    f = _gelu_derivative(make("gaussian", 16, 64, dtype=torch.float64) * 3)
+    f[:, :4] = 0  # a saturated unit's derivative
+    draws = []
+    for s in range(tol.SR_DRAWS):
+        codes, lo, step = quant.quantize_range_stochastic(f.float(), DERIVATIVE_BITS, torch.tensor(s))
+        assert codes.dtype == torch.uint8 and int(codes.max()) < 2**DERIVATIVE_BITS
+        decoded = (lo + codes.float() * step).double()
+        assert ((decoded - f).abs() < step.double() * (1 + tol.FP32_ROUNDINGS)).all()
+        assert (decoded[:, :4] == 0).all()
+        draws.append(decoded)
+    mean = torch.stack(draws).mean(0)
+    print(f"mean of {tol.SR_DRAWS} draws: rel err {rel_err(mean, f):.4f}, one draw {rel_err(draws[0], f):.3f}")
+    assert rel_err(mean, f) < tol.SR_MEAN
+
+
+def test_two_codes_a_byte_round_trip_eager_and_compiled():
+    codes = torch.randint(0, 16, (3, 5, 40), dtype=torch.uint8)
+    packed = quant.pack_nibbles(codes)
+    assert packed.shape == (3, 5, 20) and packed.dtype == torch.uint8
+    assert torch.equal(quant.unpack_nibbles(packed), codes)
+    assert torch.equal(torch.compile(lambda c: quant.unpack_nibbles(quant.pack_nibbles(c)))(codes), codes)
+
+
+# ----------------------------------------------------------------------------- gradients, per code
+
+
+class LinearGelu(nn.Module):
+    """``gelu(x Wᵀ + b)``: the backward reads the linear's output only through GELU's derivative."""
+
+    def __init__(self, dim=24, hidden=48):
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden)
+
+    def forward(self, x):
+        return F.gelu(self.fc(x))
+
+
+class Bilinear(nn.Module):
+    """``(x W₁ᵀ) ⊙ (x W₂ᵀ)``: each product's backward reads the other's output as it is."""
+
+    def __init__(self, dim=24, hidden=48):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.a(x) * self.b(x)
+
+
+def _compiled_grads(model, x, gy, **options):
+    compiled, graphs = aot_compile(model, HotConfig(**ON, **EXACT_PRODUCTS, **options))
+    x = x.clone().requires_grad_()
+    compiled(x).backward(gy)
+    return x.grad, graphs, hot_compile.last_report()
+
+
+def test_gelu_derivative_saved_in_4_bits_bounds_the_gradient_by_one_step():
+    torch.manual_seed(0)
+    model, x, gy = LinearGelu(), torch.randn(64, 24) * 2, torch.randn(64, 48)
+    grad, graphs, report = _compiled_grads(model, x, gy)
+    (row,) = report.select(path="saved")
+    assert row.decision == DERIVATIVE and "erf" in row.reason
+    assert row.saved_bytes_after == 64 * 48 // 2 + 2 * 4 * 64 < row.saved_bytes_before / 5
+    assert not graphs.nodes("backward", torch.ops.aten.erf.default)  # f(x) moved into the forward
+    assert [tuple(t.shape) for t in graphs.saved() if t.dtype == torch.uint8] == [(64, 24)]
+    # Each element of f(x) is off by less than one step of its row, (max f − min f) / 14, so the
+    # gradient of the linear's output by at most |gy|·step, and x's by that times |W|.
+    w, h = model.fc.weight.double(), (x.double() @ model.fc.weight.double().T + model.fc.bias.double())
+    f = _gelu_derivative(h)
+    step = (f.amax(-1, keepdim=True) - f.amin(-1, keepdim=True)) / (2**DERIVATIVE_BITS - 2)
+    exact = (gy.double() * f) @ w
+    bound = (gy.double().abs() * step) @ w.abs() + tol.FP32_VS_REFERENCE * exact.abs().max()
+    error = (grad.double() - exact).abs()
+    print(f"x.grad: error {rel_err(grad, exact):.4f} relative, worst element at {(error / bound).max():.2f} of its bound")
+    assert (error <= bound).all() and rel_err(grad, exact) > 0
+
+
+def test_without_the_derivative_code_a_gelu_input_is_saved_as_int8_rows():
+    torch.manual_seed(0)
+    _, graphs, report = _compiled_grads(LinearGelu(), torch.randn(64, 24), torch.randn(64, 48), saved_derivative_bits=None)
+    assert [r.decision for r in report.select(path="saved")] == [INT8_ROWS]
+    assert graphs.nodes("backward", torch.ops.aten.erf.default)  # GELU's derivative computed in the backward
+    with pytest.raises(ValueError, match="saved_derivative_bits"):
+        HotConfig(saved_derivative_bits=3)
+
+
+def test_int8_rows_bound_the_gradient_by_half_a_level():
+    torch.manual_seed(0)
+    model, x, gy = Bilinear(), torch.randn(64, 24), torch.randn(64, 48)
+    _, graphs, report = _compiled_grads(model, x, gy)
+    rows = report.select(path="saved")
+    assert [r.decision for r in rows] == [INT8_ROWS, INT8_ROWS] and all(r.saved_bytes_after < r.saved_bytes_before / 3 for r in rows)
+    assert [t.dtype for t in graphs.saved() if t.shape == (64, 48)] == [torch.int8, torch.int8]
+    xd = x.double()
+    outputs = {name: xd @ getattr(model, name).weight.double().T for name in "ab"}
+    for name, other in (("a", "b"), ("b", "a")):
+        # dW = (gy ⊙ other)ᵀ x, with ``other`` read back within half a level of its row's max.
+        exact = (gy.double() * outputs[other]).T @ xd
+        level = outputs[other].abs().amax(-1, keepdim=True) * tol.HALF_INT8_LEVEL
+        bound = (gy.double().abs() * level).T @ xd.abs() + tol.FP32_VS_REFERENCE * exact.abs().max()
+        grad = getattr(model, name).weight.grad.double()
+        assert ((grad - exact).abs() <= bound).all(), name
+        assert rel_err(grad, exact) > 0
+
+
+# ------------------------------------------------------------------------------- a whole block
+
+
+def _block(dtype=torch.float32):
+    """A transformer block whose attention heads are 32 wide: rows long enough for a scale each."""
+    return models.Block(64, 2).to(dtype)
+
+
+def _block_step(config: HotConfig, autocast: bool = False, hooks=None):
+    torch.manual_seed(0)
+    model, x = _block(), torch.randn(2, 20, 64)
+    compiled, graphs = aot_compile(model, config)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        with hooks or torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out = compiled(x)
+    out.float().square().mean().backward()
+    return model, x, graphs, hot_compile.last_report()
+
+
+def test_a_block_saves_int8_or_narrower_codes_and_side_information_only():
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    model, x, graphs, report = _block_step(HotConfig(**ON), hooks=hooks)
+    decisions = {(r.module, r.decision) for r in report.select(path="saved")}
+    assert ("mlp.fc1", DERIVATIVE) in decisions and ("attn", INT8_ROWS) in decisions
+    assert any("log-sum-exp" in r.reason for r in report.select(path="saved", decision="kept"))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    activations = [t for t in saved if t.untyped_storage().data_ptr() not in params and t.data_ptr() != x.data_ptr()]
+    codes = [t for t in activations if t.dtype in (torch.int8, torch.uint8)]
+    floats = [t for t in activations if t.is_floating_point()]
+    assert {t.dtype for t in codes} == {torch.int8, torch.uint8} and len(codes) + len(floats) == len(activations)
+    # What stays in float: one number per row (scales, a LayerNorm's statistics), per channel (the
+    # ABC buffers' scales), and the attention's log-sum-exp (2 × 2 heads × 20 queries).
+    lse = (2, 2, 20)
+    for t in floats:
+        assert t.shape[-1] == 1 or (t.dim() == 2 and t.shape[0] == 1) or tuple(t.shape) == lse, t.shape
+    float_bytes = sum(t.numel() * t.element_size() for t in floats)
+    code_bytes = sum(t.numel() * t.element_size() for t in codes)
+    print(f"saved: {code_bytes} B of codes, {float_bytes} B of float side information")
+
+
+def test_a_block_under_autocast_keeps_weight_casts_and_compresses_bf16_activations():
+    _, _, graphs, report = _block_step(HotConfig(**ON), autocast=True)
+    rows = report.select(path="saved")
+    assert any("a weight's cast" in r.reason for r in rows if r.decision == "kept")
+    assert {r.dtype for r in rows if r.decision == INT8_ROWS} == {"bfloat16"}
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        ({"policy": "off"}, "policy='off'"),
+        ({"policy": "speed"}, "policy='speed'"),
+        ({"compress_saved": False, "overrides": {"mlp.*": {"compress_saved": True}}}, "compress_saved=False"),
+        ({"include": ("nothing",)}, "excluded by include/exclude globs"),
+    ],
+)
+def test_options_that_keep_the_saved_activations(options, reason):
+    config = HotConfig(**{**ON, **options})
+    _, _, graphs, report = _block_step(config)
+    rows = report.select(path="saved")
+    kept = [r for r in rows if r.reason.startswith(reason)]
+    assert kept and all(r.decision == "kept" for r in rows if not r.module.startswith("mlp."))
+    assert not [t for t in graphs.saved() if t.dtype == torch.int8 and t.dim() == 4]  # attention's q, k, v, out
+
+
+def test_the_default_saves_what_the_partitioner_chose_with_no_row():
+    _, _, graphs, report = _block_step(HotConfig(strict=True, policy="hot"))
+    assert report.rewritten() and not report.select(path="saved")
+    assert not [t for t in graphs.saved() if t.dtype == torch.uint8]
+
+
+def test_gradients_of_a_block_with_every_activation_compressed():
+    model, x, _, report = _block_step(HotConfig(**ON, **EXACT_PRODUCTS))
+    assert report.select(path="saved", decision=DERIVATIVE) and report.select(path="saved", decision=INT8_ROWS)
+    reference = _block(torch.float64)
+    reference.load_state_dict(model.state_dict())
+    reference(x.double()).square().mean().backward()
+    worst = max(
+        rel_err(p.grad, ref.grad) for p, ref in zip(model.parameters(), reference.parameters()) if ref.grad.norm() > 1e-9
+    )
+    print(f"block, products exact: worst relative gradient error {worst:.4f}")
+    assert 0 < worst < tol.E2E_GRAD_SAVED_CODES
+
+
+def test_an_attention_mask_computed_in_the_graph_stays_exact():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x):
+            scores = x @ x.transpose(-1, -2)
+            mask = torch.zeros_like(scores).masked_fill(scores < 0, float("-inf")).unsqueeze(1)
+            q = self.proj(x).view(2, 20, 2, 16).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).sum()
+
+    torch.manual_seed(0)
+    compiled, _ = aot_compile(Masked(), HotConfig(**ON))
+    compiled(torch.randn(2, 20, 32)).backward()
+    rows = hot_compile.last_report().select(path="saved")
+    assert any("attention mask" in r.reason for r in rows)
+    assert all(math.isfinite(p.grad.abs().sum()) for p in compiled.parameters())
+
+
+# ------------------------------------------------------------------- through Inductor, the backend
+
+
+def test_the_backend_compresses_and_a_failure_leaves_the_partition_as_it_was(monkeypatch):
+    torch.manual_seed(0)
+    model, x = _block(), torch.randn(2, 20, 64)
+    compiled = torch.compile(model, backend="hot", options={"policy": "hot", "compress_saved": True})
+    compiled(x).square().mean().backward()
+    assert hot_compile.last_report().select(path="saved", decision=DERIVATIVE)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(hot_compile.inductor_pass, "run_saved_pass", fail)
+    torch._dynamo.reset()
+    with torch._inductor.utils.fresh_cache(), pytest.warns(HotPassWarning, match="saved as the partitioner chose"):
+        compiled = torch.compile(model, backend="hot", options={"policy": "hot", "compress_saved": True})
+        compiled(x).square().mean().backward()
+    assert not hot_compile.last_report().select(path="saved") and hot_compile.last_report().rewritten()
+
+
+def test_a_users_partitioner_runs_before_the_compression():
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class Counting(CustomPartitionerFn):
+        calls = 0
+
+        def __call__(self, gm, joint_inputs, **kwargs):
+            Counting.calls += 1
+            return min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return b"counting"
+
+    torch.manual_seed(0)
+    model, x = LinearGelu(), torch.randn(8, 24)
+    compiled = torch.compile(model, backend="hot", options={"policy": "hot", "compress_saved": True, "custom_partitioner_fn": Counting()})
+    compiled(x).sum().backward()
+    assert Counting.calls == 1 and hot_compile.last_report().select(path="saved", decision=DERIVATIVE)
+
+
+def test_dynamic_shapes_compress_too():
+    torch.manual_seed(0)
+    model = _block()
+    compiled, _ = aot_compile(model, HotConfig(**ON), dynamic=True)
+    for tokens in (20, 28):
+        compiled(torch.randn(2, tokens, 64)).square().mean().backward()
+    assert hot_compile.last_report().select(path="saved", decision=INT8_ROWS)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
