@@ -345,8 +345,10 @@ def run_saved_pass(
     place; returns a row for each saved activation. ``parameters`` as for :func:`run_hot_pass`."""
     saved = find_saved_values(fw, bw, num_fwd_outputs, parameters)
     for s in saved:
-        s.reason = s.reason or why_saved_not_selected(module_path(s.forward), config)
-        if config.for_module(module_path(s.forward)).saved_derivative_bits is None:
+        module = module_path(s.forward)
+        module_config = config.for_module(module)
+        s.reason = s.reason or why_saved_not_selected(module_config, module)
+        if module_config.saved_derivative_bits is None:
             s.factor = None
     compress_saved_values(fw, bw, saved)
     profiles: dict = {}

@@ -98,10 +98,6 @@ class SavedValue:
         return DERIVATIVE if self.factor is not None else INT8_ROWS
 
 
-def _hint(n) -> int:
-    return optimization_hint(n)
-
-
 def _is_log_sum_exp(node: fx.Node) -> bool:
     return node.target is operator.getitem and node.args[0].target in _ATTENTION_FORWARDS and node.args[1] == 1
 
@@ -114,7 +110,7 @@ def memory_order(val: torch.Tensor) -> list[int] | None:
     """The permutation of ``val``'s dimensions that is contiguous, where ``val`` is dense with unit
     stride along its last dimension (its rows lie whole in memory); None otherwise. Codes are made in
     this order, so that the backward gets back the strides it was traced with."""
-    shape, stride = [_hint(d) for d in val.shape], [_hint(d) for d in val.stride()]
+    shape, stride = [optimization_hint(d) for d in val.shape], [optimization_hint(d) for d in val.stride()]
     order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
     expected = 1
     for d in reversed(order):
@@ -158,14 +154,14 @@ def _pointwise(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in _VIEWS or torch.Tag.pointwise in getattr(node.target, "tags", ()))
 
 
-def pointwise_factor(placeholder: fx.Node) -> PointwiseFactor | None:
+def pointwise_factor(placeholder: fx.Node, position: dict[fx.Node, int]) -> PointwiseFactor | None:
     """The one pointwise function of ``placeholder`` through which the backward reads it, where its
     value only multiplies other tensors (a derivative times a gradient); None otherwise.
 
     The function is the set of pointwise nodes (and views) computed from ``placeholder`` and
     constants alone. It qualifies when every reader of ``placeholder`` is in it, one of its nodes
     (``f(x)``, as many values as ``x``, an even number of them a row: two codes a byte) is read
-    outside it, and only by ``mul`` nodes.
+    outside it, and only by ``mul`` nodes. ``position``: the backward graph's nodes in order.
     """
     inside: set[fx.Node] = {placeholder}
     nodes: list[fx.Node] = []
@@ -190,8 +186,7 @@ def pointwise_factor(placeholder: fx.Node) -> PointwiseFactor | None:
         return None
     if any(u.target not in _MULTIPLY for u in value.users if u not in inside):
         return None
-    order = {n: i for i, n in enumerate(placeholder.graph.nodes)}
-    return PointwiseFactor(sorted(nodes, key=order.__getitem__), value)
+    return PointwiseFactor(sorted(nodes, key=position.__getitem__), value)
 
 
 def find_saved_values(
@@ -203,20 +198,20 @@ def find_saved_values(
     outputs = fw.graph.output_node().args[0]
     inner = {n for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node)}
     placeholders = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    position = {n: i for i, n in enumerate(bw.graph.nodes)}
     saved = []
     for node in outputs[num_fwd_outputs:]:
         if not isinstance(node, fx.Node) or node.op == "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
             continue  # inputs and parameters outlive the step anyway; symbolic sizes travel separately
         placeholder = placeholders[node.name]
         reason = why_kept(node, placeholder, inner, weight_like)
-        factor = pointwise_factor(placeholder) if reason is None else None
+        factor = pointwise_factor(placeholder, position) if reason is None else None
         saved.append(SavedValue(node, placeholder, reason, factor))
     return saved
 
 
-def why_not_selected(module: str, config) -> str | None:
-    """Why the config leaves ``module``'s saved values as they are (policy, option, globs)."""
-    config = config.for_module(module)
+def why_not_selected(config, module: str) -> str | None:
+    """Why ``config`` (``module``'s own) leaves the module's saved values as they are (policy, option, globs)."""
     if config.policy == "off":
         return "policy='off'"
     if config.policy == "speed":
@@ -228,12 +223,13 @@ def why_not_selected(module: str, config) -> str | None:
     return None
 
 
-def _unique_name(name: str, *graphs: fx.Graph) -> str:
-    taken = {n.name for g in graphs for n in g.nodes}
+def _unique_name(name: str, taken: set[str]) -> str:
+    """``name``, suffixed until it is not in ``taken`` (the names of both graphs), which it joins."""
     candidate, i = name, 0
     while candidate in taken:
         i += 1
         candidate = f"{name}_{i}"
+    taken.add(candidate)
     return candidate
 
 
@@ -281,12 +277,12 @@ def _encode(graph: fx.Graph, s: SavedValue, created: list[fx.Node]) -> list[fx.N
     return list(insert_traced(graph, _encode_derivative, [value], before=value.next, meta=meta, created=created))
 
 
-def _decode(graph: fx.Graph, s: SavedValue, inputs: list[fx.Node]) -> None:
+def _decode(graph: fx.Graph, s: SavedValue, inputs: list[fx.Node], position: dict[fx.Node, int]) -> None:
     """Insert ``s``'s decoding before its first reader in the backward, in place of what it stood for."""
     meta = provenance(REWRITE, module_path(s.forward), "saved", s.forward, "backward")
     stands_for = s.backward if s.factor is None else s.factor.value
     dtype = stands_for.meta["val"].dtype
-    first_reader = next(n for n in graph.nodes if n in stands_for.users)
+    first_reader = min(stands_for.users, key=position.__getitem__)  # original nodes: readers of saved values
     if s.factor is None:
         order = _order(stands_for.meta["val"])
         inverse = sorted(range(len(order)), key=order.__getitem__)
@@ -322,16 +318,18 @@ def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[Sa
         raise
 
     replacement: dict[fx.Node, list[fx.Node]] = {}
+    taken = {n.name for g in (fw_graph, bw_graph) for n in g.nodes}
+    position = {n: i for i, n in enumerate(bw_graph.nodes)}
     for s, nodes in zip(chosen, codes):
         suffixes = ("int8", "scale") if s.factor is None else ("df4", "df_lo", "df_step")
-        nodes = [_renamed(fw_graph, n, _unique_name(f"{s.forward.name}_{suffix}", fw_graph, bw_graph)) for n, suffix in zip(nodes, suffixes)]
+        nodes = [_renamed(fw_graph, n, _unique_name(f"{s.forward.name}_{suffix}", taken)) for n, suffix in zip(nodes, suffixes)]
         replacement[s.forward] = nodes
         inputs = []
         with bw_graph.inserting_before(s.backward):
             for node in nodes:
                 inputs.append(bw_graph.placeholder(node.name))
                 inputs[-1].meta = {"val": node.meta["val"]}
-        _decode(bw_graph, s, inputs)
+        _decode(bw_graph, s, inputs, position)
 
     output = fw_graph.output_node()
     outs = []
@@ -345,8 +343,8 @@ def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[Sa
 def saved_row(s: SavedValue, profile) -> SiteRow:
     """The report row of one saved value: bytes before and after, and the added passes' estimate."""
     val = s.forward.meta["val"]
-    numel = _hint(val.numel())
-    rows = numel // max(_hint(val.shape[-1]), 1) if val.dim() else 1
+    numel = optimization_hint(val.numel())
+    rows = numel // max(optimization_hint(val.shape[-1]), 1) if val.dim() else 1
     before = numel * val.element_size()
     decision = s.decision
     cost = None
@@ -364,7 +362,7 @@ def saved_row(s: SavedValue, profile) -> SiteRow:
     return SiteRow(
         module=module_path(s.forward),
         path="saved",
-        shape="×".join(str(_hint(d)) for d in val.shape),
+        shape="×".join(str(optimization_hint(d)) for d in val.shape),
         dtype=str(val.dtype).removeprefix("torch."),
         decision=decision,
         reason=reason,
