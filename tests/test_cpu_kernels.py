@@ -26,8 +26,11 @@ def _levels_agree(q: torch.Tensor, expected: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_quantize_rows_is_the_stochastic_quantizer_of_the_block_hadamard(dtype, per_row, bits):
-    g = make("lognormal", 97, 72, 0).to(dtype).t().contiguous().t()  # column-major, 72 = 4.5 blocks
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_quantize_rows_is_the_stochastic_quantizer_of_the_block_hadamard(dtype, per_row, bits, layout):
+    g = make("lognormal", 97, 72, 0).to(dtype)  # 72 = 4.5 blocks
+    if layout == "column-major":
+        g = g.t().contiguous().t()
     width = hadamard.padded_length(72)
     offset = quant.noise_offset(SEED, aten_impl.SALT_GRAD_INPUT)
     q, scale = cpu_kernels.quantize_rows(g, bits, width=width, hadamard=True, per_row=per_row, offset=offset)

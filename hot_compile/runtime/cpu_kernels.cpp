@@ -15,6 +15,39 @@ void load_row(const T* x, int64_t n, int64_t stride, int64_t padded, float* row)
   std::fill(row + n, row + padded, 0.0f);
 }
 
+// load_row then hadamard16 on each block of 16, for a row of unit stride, in registers; returns max|v|.
+template <typename T>
+float load_hadamard_row(const T* x, int64_t n, int64_t width, float* row) {
+  // Two running maxima, and NaNs apart: a chain of compare-and-blend per vector would bound the loop.
+  Float16x m0 = {}, m1 = {};
+  Int16x nan = {};
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    const Float16x v0 = hadamard16(load16(x + c)), v1 = hadamard16(load16(x + c + 16));
+    std::memcpy(row + c, &v0, sizeof v0);
+    std::memcpy(row + c + 16, &v1, sizeof v1);
+    const Float16x a0 = (Float16x)((Int16x)v0 & 0x7fffffff), a1 = (Float16x)((Int16x)v1 & 0x7fffffff);
+    m0 = a0 > m0 ? a0 : m0;
+    m1 = a1 > m1 ? a1 : m1;
+    nan |= (a0 != a0) | (a1 != a1);
+  }
+  for (; c < n; c += 16) {
+    const Float16x v = hadamard16(c + 16 <= n ? load16(x + c) : load16(x + c, n - c));
+    std::memcpy(row + c, &v, sizeof v);
+    const Float16x a = (Float16x)((Int16x)v & 0x7fffffff);
+    m0 = a > m0 ? a : m0;
+    nan |= a != a;
+  }
+  std::fill(row + c, row + width, 0.0f);
+  m0 = m1 > m0 ? m1 : m0;
+  float amax = 0.0f;
+  for (int i = 0; i < 16; ++i) {
+    if (nan[i]) return std::nanf("");
+    amax = std::max(amax, m0[i]);
+  }
+  return amax;
+}
+
 template <typename T>
 void rows_quantize(const T* x, int64_t rows, int64_t n, int64_t row_stride, int64_t col_stride, int64_t width,
                    bool hadamard, float qmax, bool stochastic, uint32_t offset, const float* scale_in,
@@ -25,15 +58,25 @@ void rows_quantize(const T* x, int64_t rows, int64_t n, int64_t row_stride, int6
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       float* v = row.data();
-      load_row(x + r * row_stride, n, col_stride, width, v);
-      if (hadamard) {
-        for (int64_t b = 0; b < width; b += BLOCK) hadamard16(v + b);
+      float amax;
+      if (hadamard && col_stride == 1) {
+        amax = load_hadamard_row(x + r * row_stride, n, width, v);
+      } else {
+        load_row(x + r * row_stride, n, col_stride, width, v);
+        if (hadamard) {
+          for (int64_t b = 0; b < width; b += BLOCK) {
+            Float16x block;
+            std::memcpy(&block, v + b, sizeof block);
+            block = hadamard16(block);
+            std::memcpy(v + b, &block, sizeof block);
+          }
+        }
+        amax = scale_in == nullptr ? span_amax(v, width) : 0.0f;
       }
       float scale;
       if (scale_in != nullptr) {
         scale = scale_in[r * scale_stride];
       } else {
-        const float amax = span_amax(v, width);
         if (amax_out != nullptr) {
           amax_out[r] = amax;
           continue;
@@ -93,6 +136,37 @@ void load_tile(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
   }
 }
 
+// load_tile then hadamard_tile for a whole block (16 rows) of unit column stride, with each group of 16
+// columns held in registers through the butterflies (the same additions in the same order): the tile is
+// written once instead of once per stage.
+template <typename T>
+void load_hadamard_tile(const T* x, int64_t row_stride, int64_t block, int64_t c0, int64_t cols,
+                        float (*xb)[TILE]) {
+  const T* first = x + block * BLOCK * row_stride + c0;
+  for (int64_t g = 0; g < TILE; g += 16) {
+    const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, cols - g));
+    Float16x v[BLOCK];
+    if (count == 16) {  // the common case, without a branch per row
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g);
+    } else {
+      for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g, count);
+    }
+#pragma GCC unroll 4
+    for (int64_t h = 1; h < BLOCK; h <<= 1) {
+#pragma GCC unroll 16
+      for (int64_t j = 0; j < BLOCK; ++j) {
+        if (j & h) continue;
+        const Float16x u = v[j], w = v[j + h];
+        v[j] = u + w;
+        v[j + h] = u - w;
+      }
+    }
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < BLOCK; ++j) std::memcpy(xb[j] + g, &v[j], sizeof v[j]);
+  }
+}
+
 // Folds `cols` transformed values into per-column max|y| (a NaN wins) and, with Sums, Σ|y| and Σy².
 template <bool Sums>
 inline void accumulate(const float* y, int64_t cols, float* amax, float* abs_sum, float* sq_sum) {
@@ -101,14 +175,13 @@ inline void accumulate(const float* y, int64_t cols, float* amax, float* abs_sum
     Float16x v, m;
     std::memcpy(&v, y + c, sizeof v);
     std::memcpy(&m, amax + c, sizeof m);
-    const Float16x a = (Float16x)((Int16x)v & 0x7fffffff);
-    m = ((a > m) | (a != a)) ? a : m;
+    m = max_magnitude(m, v);
     std::memcpy(amax + c, &m, sizeof m);
     if constexpr (Sums) {
       Float16x s1, s2;
       std::memcpy(&s1, abs_sum + c, sizeof s1);
       std::memcpy(&s2, sq_sum + c, sizeof s2);
-      s1 += a;
+      s1 += (Float16x)((Int16x)v & 0x7fffffff);
       s2 += v * v;
       std::memcpy(abs_sum + c, &s1, sizeof s1);
       std::memcpy(sq_sum + c, &s2, sizeof s2);
@@ -173,10 +246,15 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
         const int64_t c0 = t * TILE, cols = std::min(TILE, k - c0);
         const int64_t count = std::min(rank, out_rows - b * rank);
         if (count <= 0) continue;
-        load_tile(x, n, k, row_stride, col_stride, b, c0, cols, xb);
+        const bool hadamard = b < whole && butterflies;
+        if (hadamard && col_stride == 1) {
+          load_hadamard_tile(x, row_stride, b, c0, cols, xb);
+        } else {
+          load_tile(x, n, k, row_stride, col_stride, b, c0, cols, xb);
+          if (hadamard) hadamard_tile(xb);
+        }
         const float* result[BLOCK];
-        if (b < whole && butterflies) {
-          hadamard_tile(xb);
+        if (hadamard) {
           for (int64_t i = 0; i < count; ++i) result[i] = xb[hadamard_rows[i]];
         } else {
           transform_tile(b < whole ? basis : tail, count, xb, yb);

@@ -60,6 +60,32 @@ typedef float Float16x __attribute__((vector_size(64)));
 typedef int32_t Int16x __attribute__((vector_size(64)));
 typedef uint32_t UInt16x __attribute__((vector_size(64)));
 typedef int8_t Int8x16 __attribute__((vector_size(16)));
+typedef uint16_t UInt16x16 __attribute__((vector_size(32)));
+typedef _Float16 Half16x __attribute__((vector_size(32)));
+
+// 16 consecutive values as float lanes.
+inline Float16x load16(const float* x) {
+  Float16x v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+inline Float16x load16(const BFloat16* x) {
+  UInt16x16 bits;
+  std::memcpy(&bits, x, sizeof bits);
+  return (Float16x)(__builtin_convertvector(bits, UInt16x) << 16);
+}
+inline Float16x load16(const _Float16* x) {
+  Half16x v;
+  std::memcpy(&v, x, sizeof v);
+  return __builtin_convertvector(v, Float16x);
+}
+// The first `count` ≤ 16 of them, zero beyond.
+template <typename T>
+inline Float16x load16(const T* x, int64_t count) {
+  T padded[16] = {};
+  std::copy(x, x + count, padded);
+  return load16(padded);
+}
 
 // hot_compile/runtime/quant.py's hash_uniform: the noise of flat index `index` under `offset`
 // (seed·SEED_MULT + salt·SALT_MULT, mod 2**32).
@@ -71,12 +97,15 @@ inline Word mix32(Word h) {
   h *= 0x2C1B3C6Du;
   return h ^ (h >> 16);
 }
+constexpr uint32_t INDEX_MULT = 0x85EBCA6Bu;
 inline float hash_uniform(uint32_t index, uint32_t offset) {
-  return float(mix32(index * 0x85EBCA6Bu + offset) >> 8) * (1.0f / 16777216.0f);
+  return float(mix32(index * INDEX_MULT + offset) >> 8) * (1.0f / 16777216.0f);
 }
-inline Float16x hash_uniform(UInt16x index, uint32_t offset) {
+// The noise of 16 lanes from their words index·INDEX_MULT + offset (mod 2**32), which a caller steps by
+// an addition from one group of 16 indices to the next.
+inline Float16x uniform_of_words(UInt16x words) {
   // The top 24 bits convert exactly through int32, which has a vector instruction on AVX2 too.
-  const Int16x top = (Int16x)(mix32(index * 0x85EBCA6Bu + offset) >> 8);
+  const Int16x top = (Int16x)(mix32(words) >> 8);
   return __builtin_convertvector(top, Float16x) * (1.0f / 16777216.0f);
 }
 
@@ -107,7 +136,7 @@ inline int8_t level(float v, float inverse, float qmax, uint32_t index, uint32_t
 template <bool Stochastic, bool PerValue>
 inline void quantize_span(const float* v, const float* inverse, int64_t count, float qmax, uint32_t first,
                           uint32_t offset, int8_t* out) {
-  const UInt16x lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const UInt16x lane_words = UInt16x{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * INDEX_MULT;
   const Int16x top = Int16x{} + int32_t(qmax), bottom = -top;
   // Adding and subtracting 1.5·2^23 rounds a float below 2^22 in magnitude half to even.
   const float round_even = 12582912.0f;
@@ -119,7 +148,7 @@ inline void quantize_span(const float* v, const float* inverse, int64_t count, f
     Int16x l;
     if constexpr (Stochastic) {
       const Float16x magnitude = (Float16x)((Int16x)x & 0x7fffffff);
-      const Float16x y = magnitude * inv + hash_uniform(lanes + (first + uint32_t(c)), offset);
+      const Float16x y = magnitude * inv + uniform_of_words(lane_words + ((first + uint32_t(c)) * INDEX_MULT + offset));
       l = __builtin_convertvector(y, Int16x);  // floor, as y ≥ 0 (a NaN gives some int: see level)
       l = l < top ? l : top;
       l = x < 0 ? -l : l;
@@ -172,20 +201,23 @@ inline float scale_of(float amax, float qmax) {
 // x[i] + x[i ^ h] where bit h of i is clear, x[i ^ h] − x[i] where it is set (exact: the ±1 is a sign).
 inline Float16x butterfly(Float16x x, Int16x partner, Float16x sign) { return x * sign + __builtin_shuffle(x, partner); }
 
-// In place: a block of 16 values times the Hadamard matrix, H[i][j] = (-1)^popcount(i & j) (Sylvester
-// order, as hot_compile/runtime/hadamard.py builds it), in 4 stages of a shuffle and an add.
-inline void hadamard16(float* v) {
-  Float16x x;
-  std::memcpy(&x, v, sizeof x);
+// A block of 16 values times the Hadamard matrix, H[i][j] = (-1)^popcount(i & j) (Sylvester order, as
+// hot_compile/runtime/hadamard.py builds it), in 4 stages of a shuffle and an add.
+inline Float16x hadamard16(Float16x x) {
   x = butterfly(x, Int16x{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
                 Float16x{1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1});
   x = butterfly(x, Int16x{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
                 Float16x{1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1});
   x = butterfly(x, Int16x{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
                 Float16x{1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1});
-  x = butterfly(x, Int16x{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
-                Float16x{1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1});
-  std::memcpy(v, &x, sizeof x);
+  return butterfly(x, Int16x{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                   Float16x{1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1});
+}
+
+// Lane-wise max|v| into m; a NaN wins.
+inline Float16x max_magnitude(Float16x m, Float16x v) {
+  const Float16x a = (Float16x)((Int16x)v & 0x7fffffff);
+  return ((a > m) | (a != a)) ? a : m;
 }
 
 }  // namespace
