@@ -243,8 +243,9 @@ def _renamed(graph: fx.Graph, node: fx.Node, name: str) -> fx.Node:
     return copy
 
 
-# One extern op encodes each saved value: a kernel shared by every site and shape (ops._run), where
-# Inductor fusing a row reduction into each producer made its own kernel, and the compile, per site.
+# One extern op encodes each saved value: HOT's CPU library, or elsewhere a kernel shared by every
+# site and shape (ops._run), where Inductor fusing a row reduction into each producer made its own
+# kernel, and the compile, per site.
 def _encoder_rows(order: list[int]):
     def encode(x: torch.Tensor):
         return ops.encode_rows(x.permute(order), ROW_BITS)
@@ -309,6 +310,8 @@ def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[Sa
     graphs as they were."""
     fw_graph, bw_graph = fw.graph, bw.graph
     chosen = [s for s in saved if s.reason is None]
+    for device in {s.forward.meta["val"].device for s in chosen}:
+        ops.prepare(device)
     created: list[fx.Node] = []
     try:
         codes = [_encode(fw_graph, s, created) for s in chosen]

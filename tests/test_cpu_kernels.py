@@ -68,6 +68,42 @@ def test_quantize_columns_is_the_quantizer_of_the_lowpass(rank, tokens):
         assert q.shape == (rows, 40) and _levels_agree(q, expected_q)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["gaussian", "lognormal", "outlier"])
+def test_encode_rows_is_the_reference_within_half_a_level_of_float64(dtype, kind):
+    x = make(kind, 64, 90, 0).to(dtype).view(4, 16, 90)  # 90 = 5 whole vectors and a tail of 10
+    q, scale = cpu_kernels.encode_rows(x, 8)
+    expected_q, expected_scale = aten_impl.encode_rows(x, bits=8)
+    assert q.shape == x.shape and scale.shape == (4, 16, 1)
+    assert torch.equal(scale, expected_scale) and torch.equal(q, expected_q)  # the same division and rounding
+    exact = x.double()
+    error = (quant.dequantize(q, scale).double() - exact).abs()
+    assert (error <= exact.abs().amax(-1, keepdim=True) * (tol.HALF_INT8_LEVEL + tol.FP32_ROUNDINGS)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_derivative_code_is_the_reference_and_unbiased(dtype):
+    f = (make("gaussian", 8, 90, 0) * 3).sigmoid().to(dtype)  # a derivative-like range, 90 = 2 pairs of vectors and a tail
+    f[:, :4] = 0
+    exact = f.double()
+    draws = []
+    for s in range(tol.SR_DRAWS):
+        seed = torch.tensor(s)
+        packed, lo, step = cpu_kernels.encode_derivative(f, quant.noise_offset(seed, aten_impl.SALT_DERIVATIVE))
+        if s < 4:
+            expected = aten_impl.encode_derivative(f, seed, bits=4)
+            assert all(torch.equal(a, b) for a, b in zip((packed, lo, step), expected))
+        decoded = (lo + quant.unpack_nibbles(packed).float() * step).double()
+        assert ((decoded - exact).abs() < step.double() * (1 + tol.FP32_ROUNDINGS)).all() and (decoded[:, :4] == 0).all()
+        draws.append(decoded)
+    assert rel_err(torch.stack(draws).mean(0), exact) < tol.SR_MEAN
+
+
+def test_derivative_code_of_an_odd_row_is_refused():
+    with pytest.raises(ValueError, match="odd size 5"):
+        cpu_kernels.encode_derivative(torch.zeros(3, 5), 0)
+
+
 def test_noise_offset_is_the_hash_of_the_seed_and_salt():
     """The same noise as :func:`hot_compile.runtime.quant.hash_uniform`: a quantizer of a tensor of halves
     rounds each element up exactly where its noise is at least one half."""
@@ -105,6 +141,13 @@ def test_cpu_ops_run_the_fused_kernels(monkeypatch):
     xq, xs = ops.compress_activation(x, 16, 8, True)
     ops.hla_grad_weight(g, xq, xs, SEED, 16, 8, True, torch.float32)
     assert calls == ["column_amax", "quantize_columns"] * 2 + ["matmul_dequantized"]
+    calls.clear()
+    for name in ("encode_rows", "encode_derivative"):
+        original = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    ops.encode_rows(x, 8)
+    ops.encode_derivative(x, SEED, 4)
+    assert calls == ["encode_rows", "encode_derivative"]
     assert ops._build_seconds == built
 
 

@@ -16,10 +16,12 @@ from .hadamard import BLOCK, block_hadamard, lowpass, tail_basis
 from .int8_gemm import int8_matmul
 from .quant import pack_nibbles, qmax, quantize_nearest, quantize_range_stochastic, quantize_sawb, quantize_stochastic
 
-# Distinct noise streams for the two stochastic quantizers of one linear layer sharing a seed.
+# Distinct noise streams for the stochastic quantizers of one linear layer sharing a seed; the saved
+# derivative's code draws a seed of its own.
 SALT_GRAD_INPUT = 1
 SALT_GRAD_WEIGHT = 2
 SALT_WEIGHT = 3
+SALT_DERIVATIVE = 0
 
 DEFAULT_GX_BITS = 8
 DEFAULT_GW_BITS = 8
@@ -154,10 +156,14 @@ def encode_rows(x: torch.Tensor, *, bits: int) -> tuple[torch.Tensor, torch.Tens
     return quantize_nearest(x, bits, dim=-1)
 
 
+def check_derivative_bits(bits: int) -> None:
+    if bits != 4:
+        raise ValueError(f"the derivative code packs two 4-bit codes a byte, got bits={bits}")
+
+
 def encode_derivative(value: torch.Tensor, seed: torch.Tensor, *, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A derivative's values as 4-bit codes over each row's range (stochastic rounding), two a byte,
     with the rows' ``lo`` and ``step``."""
-    if bits != 4:
-        raise ValueError(f"the derivative code packs two 4-bit codes a byte, got bits={bits}")
-    codes, lo, step = quantize_range_stochastic(value, bits, seed)
+    check_derivative_bits(bits)
+    codes, lo, step = quantize_range_stochastic(value, bits, seed, salt=SALT_DERIVATIVE)
     return pack_nibbles(codes), lo, step

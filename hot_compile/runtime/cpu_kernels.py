@@ -1,4 +1,5 @@
-"""HOT's transforms and quantizers on the CPU as fused native loops (``cpu_quantize.cpp``, ``cpu_gemm.cpp``).
+"""HOT's transforms and quantizers on the CPU as fused native loops (``cpu_primitives.cpp``, ``cpu_kernels.cpp``,
+``cpu_encode.cpp``).
 
 Compiled by Inductor, the aten composites of :mod:`hot_compile.runtime.aten_impl` spent most of a CPU backward
 outside the integer GEMM (the MLP block under bf16 autocast, Zen 4: 300 ms of 480, against 162 ms in
@@ -11,7 +12,9 @@ per-slice scale a second pass over it, and each dequantize a pass over a fresh i
   matrix for HQ's weight, the low-pass Walsh rows for HLA and ABC) in two reads: the per-column
   statistics, then the quantization, recomputing the transform rather than storing it;
 * :func:`matmul_dequantized` runs the integer GEMM in row chunks and scales each chunk's int32
-  product into the output dtype, so no product-sized int32 buffer is ever allocated.
+  product into the output dtype, so no product-sized int32 buffer is ever allocated;
+* :func:`encode_rows` and :func:`encode_derivative` code a saved activation (``compress_saved``) one
+  row at a time, in two reads of the row: its range, then its codes.
 
 The numerics are those of :mod:`hot_compile.runtime.aten_impl` (same transforms, scales, hash noise and
 rounding; only the order of float additions differs), as ``tests/test_cpu_kernels.py`` checks. The
@@ -38,7 +41,7 @@ from .devices import cache_root, cpu_identity
 from .quant import guard_scale, qmax
 
 # One translation unit, in this order.
-_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp"))
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp"))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Rows of one integer GEMM chunk: its int32 product stays within a few MiB that the allocator reuses.
 CHUNK_BYTES = 4 << 20
@@ -50,6 +53,8 @@ _SIGNATURES = {
     "hot_cols_stats": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P),
     "hot_cols_quantize": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I, _U, _P),
     "hot_dequantize": (_P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
+    "hot_rows_encode": (_P, _I, _I, _I, _I, _P, _P),
+    "hot_derivative_encode": (_P, _I, _I, _I, _U, _P, _P, _P),
 }
 
 # Seconds callers have waited for the library: the part of its build that did not overlap anything.
@@ -253,3 +258,37 @@ def matmul_dequantized(
             divisor, _ptr(bias), out[start:stop].data_ptr(), code,
         )  # fmt: skip
     return out
+
+
+def _rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``x`` in row-major order, and its rows and columns along the last dimension."""
+    cols = x.shape[-1] if x.dim() else 1
+    return x.contiguous(), x.numel() // max(cols, 1), cols
+
+
+def encode_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`hot_compile.runtime.aten_impl.encode_rows`: ``x: [..., C]`` as int8 levels ``[..., C]``
+    (round half to even) of one float32 scale a row, ``max|row| / qmax`` (``[..., 1]``)."""
+    lib, code = _library(), _dtype_code(x)
+    x, rows, cols = _rows_of(x)
+    q = torch.empty(x.shape, dtype=torch.int8)
+    scale = torch.empty(*x.shape[:-1], 1)
+    if x.numel():
+        lib.hot_rows_encode(x.data_ptr(), code, rows, cols, qmax(bits), q.data_ptr(), scale.data_ptr())
+    return q, scale
+
+
+def encode_derivative(value: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`hot_compile.runtime.aten_impl.encode_derivative` at 4 bits: ``value: [..., C]`` (``C``
+    even) as two codes a byte ``[..., C/2]`` (uint8), with the rows' ``lo`` and ``step`` (``[..., 1]``,
+    float32); ``offset``: the noise's :func:`~hot_compile.runtime.quant.noise_offset`."""
+    lib, code = _library(), _dtype_code(value)
+    value, rows, cols = _rows_of(value)
+    if cols % 2:
+        raise ValueError(f"the derivative code packs two values a byte along the last dimension, of odd size {cols}")
+    packed = torch.empty(*value.shape[:-1], cols // 2, dtype=torch.uint8)
+    lo, step = torch.empty(*value.shape[:-1], 1), torch.empty(*value.shape[:-1], 1)
+    if value.numel():
+        lib.hot_derivative_encode(value.data_ptr(), code, rows, cols, offset, packed.data_ptr(), lo.data_ptr(), step.data_ptr())
+    return packed, lo, step
+

@@ -60,6 +60,7 @@ typedef float Float16x __attribute__((vector_size(64)));
 typedef int32_t Int16x __attribute__((vector_size(64)));
 typedef uint32_t UInt16x __attribute__((vector_size(64)));
 typedef int8_t Int8x16 __attribute__((vector_size(16)));
+typedef uint8_t UInt8x16 __attribute__((vector_size(16)));
 typedef uint16_t UInt16x16 __attribute__((vector_size(32)));
 typedef _Float16 Half16x __attribute__((vector_size(32)));
 
@@ -131,6 +132,14 @@ inline int8_t level(float v, float inverse, float qmax, uint32_t index, uint32_t
   return int8_t(int32_t(l));
 }
 
+// y rounded half to even (as torch.round, for |y| below 2^22), at most `top`.
+inline Int16x nearest_levels(Float16x y, Int16x top) {
+  // Adding and subtracting 1.5·2^23 rounds a float below 2^22 in magnitude half to even.
+  const float round_even = 12582912.0f;
+  const Int16x l = __builtin_convertvector((y + round_even) - round_even, Int16x);
+  return l < top ? l : top;
+}
+
 // Quantizes `count` values with `level`: 1/s per value (PerValue) or one for all; noise indices run
 // from `first`. 16 lanes at a time: the compiler leaves the hash's integer words to scalar code otherwise.
 template <bool Stochastic, bool PerValue>
@@ -138,8 +147,6 @@ inline void quantize_span(const float* v, const float* inverse, int64_t count, f
                           uint32_t offset, int8_t* out) {
   const UInt16x lane_words = UInt16x{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * INDEX_MULT;
   const Int16x top = Int16x{} + int32_t(qmax), bottom = -top;
-  // Adding and subtracting 1.5·2^23 rounds a float below 2^22 in magnitude half to even.
-  const float round_even = 12582912.0f;
   int64_t c = 0;
   for (; c + 16 <= count; c += 16) {
     Float16x x, inv = Float16x{} + inverse[0];
@@ -153,8 +160,7 @@ inline void quantize_span(const float* v, const float* inverse, int64_t count, f
       l = l < top ? l : top;
       l = x < 0 ? -l : l;
     } else {
-      l = __builtin_convertvector((x * inv + round_even) - round_even, Int16x);
-      l = l < top ? l : top;
+      l = nearest_levels(x * inv, top);
     }
     l = l > bottom ? l : bottom;
     const Int8x16 q = __builtin_convertvector(l, Int8x16);

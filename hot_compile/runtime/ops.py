@@ -288,6 +288,17 @@ def _quantize_weight(weight: Tensor, width: int, bits: int, quantizer: str, hada
     return cpu_kernels.quantize_columns(weight, basis, basis, width, bits, scale, stochastic=False), scale
 
 
+@encode_rows.register_kernel("cpu")
+def _(x, bits):
+    return cpu_kernels.encode_rows(x, bits)
+
+
+@encode_derivative.register_kernel("cpu")
+def _(value, seed, bits):
+    aten_impl.check_derivative_bits(bits)
+    return cpu_kernels.encode_derivative(value, noise_offset(seed, aten_impl.SALT_DERIVATIVE))
+
+
 @hq_grad_input.register_kernel("cpu")
 def _(grad_output, weight, seed, grad_bits, weight_bits, per_token, hadamard, weight_quantizer):
     n, k = weight.shape

@@ -1,0 +1,90 @@
+// HOT's encoders of saved activations (compress_saved) on the primitives of cpu_primitives.cpp and
+// the dtype dispatch of cpu_kernels.cpp, which precede this file in one translation unit; exported with
+// C linkage for hot_compile/runtime/cpu_kernels.py.
+
+namespace {
+
+// aten_impl.encode_rows: each row of `cols` values as int8 levels of s = max|row| / qmax (a zero scale
+// becomes 1), rounded half to even; one read of the row for its maximum, one for its levels.
+template <typename T>
+void rows_encode(const T* x, int64_t rows, int64_t cols, float qmax, int8_t* q, float* scale) {
+  const Int16x top = Int16x{} + int32_t(qmax);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* v = x + r * cols;
+    Float16x m = {};
+    for (int64_t c = 0; c < cols; c += 16) m = max_magnitude(m, c + 16 <= cols ? load16(v + c) : load16(v + c, cols - c));
+    float amax = 0.0f;
+    for (int i = 0; i < 16; ++i) amax = max_magnitude(amax, m[i]);
+    const float s = scale_of(amax, qmax);
+    scale[r] = s;
+    const Float16x divisor = Float16x{} + s;  // a division, as the reference's: ties round alike
+    int8_t* out = q + r * cols;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const int64_t count = std::min<int64_t>(16, cols - c);
+      Int16x l = nearest_levels((count == 16 ? load16(v + c) : load16(v + c, count)) / divisor, top);
+      l = l > -top ? l : -top;
+      const Int8x16 levels = __builtin_convertvector(l, Int8x16);
+      std::memcpy(out + c, &levels, count == 16 ? 16 : count);
+    }
+  }
+}
+
+// aten_impl.encode_derivative: each row's values as 4-bit codes q over [lo, lo + 15·step], with
+// step = (max − min) / 14 (a zero step becomes 1) and lo = step·⌊min / step⌋, q = ⌊(v − lo) / step + u⌋
+// at most 15 (u: the hash noise of the value's flat index), element 2i in the low nibble of byte i.
+template <typename T>
+void derivative_encode(const T* x, int64_t rows, int64_t cols, uint32_t offset, uint8_t* packed, float* lo_out,
+                       float* step_out) {
+  constexpr float TOP = 15.0f;
+  const UInt16x lane_words = UInt16x{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * INDEX_MULT;
+  const Int16x evens = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* v = x + r * cols;
+    float least = INFINITY, most = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(min : least) reduction(max : most) reduction(| : nan)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float f = to_float(v[c]);
+      least = f < least ? f : least;
+      most = f > most ? f : most;
+      nan |= f != f;
+    }
+    float step = nan ? std::nanf("") : (most - least) / (TOP - 1.0f);
+    step = step == 0.0f ? 1.0f : step;
+    const float lo = std::floor(least / step) * step;
+    lo_out[r] = lo;
+    step_out[r] = step;
+    uint8_t* out = packed + r * (cols / 2);
+    const uint32_t first = uint32_t(r * cols);
+    auto levels = [&](int64_t c) {  // the 16 codes from column c, as int32 lanes
+      const Float16x f = c + 16 <= cols ? load16(v + c) : load16(v + c, cols - c);
+      const Float16x y = (f - lo) / step + uniform_of_words(lane_words + ((first + uint32_t(c)) * INDEX_MULT + offset));
+      Int16x l = __builtin_convertvector(y, Int16x);  // floor, as y ≥ 0
+      l = l < int32_t(TOP) ? l : int32_t(TOP);
+      return l > 0 ? l : 0;
+    };
+    for (int64_t c = 0; c < cols; c += 32) {
+      const Int16x a = levels(c), b = c + 16 < cols ? levels(c + 16) : Int16x{};
+      const Int16x pairs = __builtin_shuffle(a, b, evens) | (__builtin_shuffle(a, b, evens + 1) << 4);
+      const UInt8x16 bytes = __builtin_convertvector(pairs, UInt8x16);
+      std::memcpy(out + c / 2, &bytes, std::min<int64_t>(16, (cols - c) / 2));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+void hot_rows_encode(const void* x, int64_t dtype, int64_t rows, int64_t cols, int64_t qmax, int8_t* q, float* scale) {
+  by_dtype(dtype, x, [&](auto* t) { rows_encode(t, rows, cols, float(qmax), q, scale); });
+}
+
+void hot_derivative_encode(const void* x, int64_t dtype, int64_t rows, int64_t cols, uint32_t offset, uint8_t* packed,
+                           float* lo, float* step) {
+  by_dtype(dtype, x, [&](auto* t) { derivative_encode(t, rows, cols, offset, packed, lo, step); });
+}
+
+}  // extern "C"
