@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import pathlib
 
 import torch
 
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{partial} shape(s) rewritten in part (not measured)"
     )
     if args.out:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"profile": json.loads(profile.to_json()), "rows": rows, "agreement": agreement}, f, indent=2)
     return 0
