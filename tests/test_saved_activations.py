@@ -61,6 +61,7 @@ def test_two_codes_a_byte_round_trip_eager_and_compiled():
     codes = torch.randint(0, 16, (3, 5, 40), dtype=torch.uint8)
     packed = quant.pack_nibbles(codes)
     assert packed.shape == (3, 5, 20) and packed.dtype == torch.uint8
+    assert torch.equal(packed, codes[..., :20] + 16 * codes[..., 20:])  # the halves, low and high
     assert torch.equal(quant.unpack_nibbles(packed), codes)
     assert torch.equal(torch.compile(lambda c: quant.unpack_nibbles(quant.pack_nibbles(c)))(codes), codes)
 

@@ -32,13 +32,13 @@ void rows_encode(const T* x, int64_t rows, int64_t cols, float qmax, int8_t* q, 
 
 // aten_impl.encode_derivative: each row's values as 4-bit codes q over [lo, lo + 15·step], with
 // step = (max − min) / 14 (a zero step becomes 1) and lo = step·⌊min / step⌋, q = ⌊(v − lo) / step + u⌋
-// at most 15 (u: the hash noise of the value's flat index), element 2i in the low nibble of byte i.
+// at most 15 (u: the hash noise of the value's flat index), two codes a byte as quant.pack_nibbles
+// packs them: element i in the low nibble of byte i, element cols/2 + i in the high one.
 template <typename T>
 void derivative_encode(const T* x, int64_t rows, int64_t cols, uint32_t offset, uint8_t* packed, float* lo_out,
                        float* step_out) {
   constexpr float TOP = 15.0f;
   const UInt16x lane_words = UInt16x{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * INDEX_MULT;
-  const Int16x evens = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* v = x + r * cols;
@@ -58,18 +58,18 @@ void derivative_encode(const T* x, int64_t rows, int64_t cols, uint32_t offset, 
     step_out[r] = step;
     uint8_t* out = packed + r * (cols / 2);
     const uint32_t first = uint32_t(r * cols);
-    auto levels = [&](int64_t c) {  // the 16 codes from column c, as int32 lanes
-      const Float16x f = c + 16 <= cols ? load16(v + c) : load16(v + c, cols - c);
+    auto levels = [&](int64_t c, int64_t stop) {  // the codes of columns c.. (below stop), as int32 lanes
+      const Float16x f = c + 16 <= stop ? load16(v + c) : load16(v + c, stop - c);
       const Float16x y = (f - lo) / step + uniform_of_words(lane_words + ((first + uint32_t(c)) * INDEX_MULT + offset));
       Int16x l = __builtin_convertvector(y, Int16x);  // floor, as y ≥ 0
       l = l < int32_t(TOP) ? l : int32_t(TOP);
       return l > 0 ? l : 0;
     };
-    for (int64_t c = 0; c < cols; c += 32) {
-      const Int16x a = levels(c), b = c + 16 < cols ? levels(c + 16) : Int16x{};
-      const Int16x pairs = __builtin_shuffle(a, b, evens) | (__builtin_shuffle(a, b, evens + 1) << 4);
+    const int64_t half = cols / 2;
+    for (int64_t c = 0; c < half; c += 16) {
+      const Int16x pairs = levels(c, half) | (levels(half + c, cols) << 4);
       const UInt8x16 bytes = __builtin_convertvector(pairs, UInt8x16);
-      std::memcpy(out + c / 2, &bytes, std::min<int64_t>(16, (cols - c) / 2));
+      std::memcpy(out + c, &bytes, std::min<int64_t>(16, half - c));
     }
   }
 }

@@ -177,14 +177,14 @@ def quantize_range_stochastic(
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit codes a byte along the last dimension (of even size): element ``2i`` in the low
-    nibble of byte ``i``, ``2i + 1`` in the high one."""
-    return q[..., 0::2] | (q[..., 1::2] << 4)
+    """Two 4-bit codes a byte along the last dimension (of even size ``2n``): element ``i`` in the low
+    nibble of byte ``i``, element ``n + i`` in its high one. Halves rather than neighbours: the
+    decoding is then two contiguous halves, which Inductor vectorizes (neighbours took it 3.5× as
+    long, an index parity per element)."""
+    n = q.shape[-1] // 2
+    return q[..., :n] | (q[..., n:] << 4)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """The codes :func:`pack_nibbles` packed, as uint8 of twice the last dimension."""
-    n = packed.shape[-1]
-    pairs = packed.unsqueeze(-1).expand(*packed.shape, 2).reshape(*packed.shape[:-1], 2 * n)
-    shift = (torch.arange(2 * n, device=packed.device, dtype=torch.uint8) % 2) * 4
-    return (pairs >> shift) & 15
+    return torch.cat([packed & 15, packed >> 4], dim=-1)
