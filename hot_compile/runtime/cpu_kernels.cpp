@@ -26,7 +26,7 @@ float load_hadamard_row(const T* x, int64_t n, int64_t width, float* row) {
     const Float16x v0 = hadamard16(load16(x + c)), v1 = hadamard16(load16(x + c + 16));
     std::memcpy(row + c, &v0, sizeof v0);
     std::memcpy(row + c + 16, &v1, sizeof v1);
-    const Float16x a0 = (Float16x)((Int16x)v0 & 0x7fffffff), a1 = (Float16x)((Int16x)v1 & 0x7fffffff);
+    const Float16x a0 = magnitude(v0), a1 = magnitude(v1);
     m0 = a0 > m0 ? a0 : m0;
     m1 = a1 > m1 ? a1 : m1;
     nan |= (a0 != a0) | (a1 != a1);
@@ -34,7 +34,7 @@ float load_hadamard_row(const T* x, int64_t n, int64_t width, float* row) {
   for (; c < n; c += 16) {
     const Float16x v = hadamard16(c + 16 <= n ? load16(x + c) : load16(x + c, n - c));
     std::memcpy(row + c, &v, sizeof v);
-    const Float16x a = (Float16x)((Int16x)v & 0x7fffffff);
+    const Float16x a = magnitude(v);
     m0 = a > m0 ? a : m0;
     nan |= a != a;
   }
@@ -181,7 +181,7 @@ inline void accumulate(const float* y, int64_t cols, float* amax, float* abs_sum
       Float16x s1, s2;
       std::memcpy(&s1, abs_sum + c, sizeof s1);
       std::memcpy(&s2, sq_sum + c, sizeof s2);
-      s1 += (Float16x)((Int16x)v & 0x7fffffff);
+      s1 += magnitude(v);
       s2 += v * v;
       std::memcpy(abs_sum + c, &s1, sizeof s1);
       std::memcpy(sq_sum + c, &s2, sizeof s2);

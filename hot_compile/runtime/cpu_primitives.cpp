@@ -88,6 +88,9 @@ inline Float16x load16(const T* x, int64_t count) {
   return load16(padded);
 }
 
+// |v| lane-wise, by the sign bit.
+inline Float16x magnitude(Float16x v) { return (Float16x)((Int16x)v & 0x7fffffff); }
+
 // hot_compile/runtime/quant.py's hash_uniform: the noise of flat index `index` under `offset`
 // (seed·SEED_MULT + salt·SALT_MULT, mod 2**32).
 template <typename Word>  // uint32_t, or UInt16x for 16 lanes at once
@@ -154,8 +157,8 @@ inline void quantize_span(const float* v, const float* inverse, int64_t count, f
     if constexpr (PerValue) std::memcpy(&inv, inverse + c, sizeof inv);
     Int16x l;
     if constexpr (Stochastic) {
-      const Float16x magnitude = (Float16x)((Int16x)x & 0x7fffffff);
-      const Float16x y = magnitude * inv + uniform_of_words(lane_words + ((first + uint32_t(c)) * INDEX_MULT + offset));
+      const Float16x size = magnitude(x);
+      const Float16x y = size * inv + uniform_of_words(lane_words + ((first + uint32_t(c)) * INDEX_MULT + offset));
       l = __builtin_convertvector(y, Int16x);  // floor, as y ≥ 0 (a NaN gives some int: see level)
       l = l < top ? l : top;
       l = x < 0 ? -l : l;
@@ -222,7 +225,7 @@ inline Float16x hadamard16(Float16x x) {
 
 // Lane-wise max|v| into m; a NaN wins.
 inline Float16x max_magnitude(Float16x m, Float16x v) {
-  const Float16x a = (Float16x)((Int16x)v & 0x7fffffff);
+  const Float16x a = magnitude(v);
   return ((a > m) | (a != a)) ? a : m;
 }
 
