@@ -107,8 +107,10 @@ class HotConfig:
             backward (LayerNorm and residual inputs, attention's query, key, value and output) is
             saved as int8 rows with one float32 scale per row, and a GELU's input as the 4-bit code
             of its derivative (:mod:`hot_compile.passes.saved_activations`), under every policy but
-            ``"speed"`` and ``"off"``; rows of path ``"saved"`` in the report. Off by default: it
-            costs 4–9% of a step and 1.4–1.9× the compile time (BENCHMARKS.md).
+            ``"speed"`` and ``"off"``; ``"balanced"`` compresses the values that save the most bytes
+            per estimated second while the added time stays within ``max_slowdown`` of the graph's
+            estimated products; rows of path ``"saved"`` in the report. Off by default: the step's
+            peak memory does not fall with it (BENCHMARKS.md).
         saved_derivative_bits: with ``compress_saved``, the width of the code a pointwise function's
             derivative (GELU's) is saved in: 4, or None to save that function's input as int8 rows
             like every other value.

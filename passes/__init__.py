@@ -36,7 +36,7 @@ from .report import Report, SiteRow
 from .rewrite_conv import compressed_conv_input, retire_conv_backward, rewrite_conv_grad_input, rewrite_conv_grad_weight
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
-from .saved_activations import compress_saved_values, find_saved_values, saved_row
+from .saved_activations import compress_saved_values, compression_cost, find_saved_values, keep_over_budget, saved_row
 from .saved_activations import why_not_selected as why_saved_not_selected
 from .sites import LinearSite, WeightLike, backward_nodes, find_linear_sites, module_path, same_value
 from .unbatch import unbatch_weight_products
@@ -340,18 +340,34 @@ def run_saved_pass(
     num_fwd_outputs: int,
     config: HotConfig,
     parameters: frozenset[int] | None = None,
+    products_s: float = 0.0,
 ) -> list[SiteRow]:
     """Compress what the partitioned forward ``fw`` saves for ``bw`` (:mod:`.saved_activations`) in
-    place; returns a row for each saved activation. ``parameters`` as for :func:`run_hot_pass`."""
+    place; returns a row for each saved activation. ``parameters`` as for :func:`run_hot_pass`.
+
+    Under ``policy="balanced"`` the compression adds at most ``max_slowdown`` of ``products_s``, the
+    estimated seconds of the graph's products as the joint pass found them (its rows): the values that
+    save the most bytes per estimated second go first, and the rest are kept. ``"hot"`` and
+    ``"memory"`` compress every eligible value."""
     saved = find_saved_values(fw, bw, num_fwd_outputs, parameters)
+    profiles: dict = {}
+    balanced = []
     for s in saved:
         module = module_path(s.forward)
         module_config = config.for_module(module)
         s.reason = s.reason or why_saved_not_selected(module_config, module)
         if module_config.saved_derivative_bits is None:
             s.factor = None
+        if s.reason is None and module_config.policy == "balanced":
+            balanced.append((s, compression_cost(s, _profile(s.forward.meta["val"].device, config, profiles))))
+    budget = config.max_slowdown * products_s
+    keep_over_budget(
+        balanced,
+        budget,
+        f"kept: over the budget of policy='balanced', max_slowdown={config.max_slowdown:g} × the products' "
+        f"estimated {products_s * 1e3:.3g} ms = {budget * 1e3:.3g} ms of added time, spent on the values that save most per ms",
+    )
     compress_saved_values(fw, bw, saved)
-    profiles: dict = {}
     rows = [saved_row(s, _profile(s.forward.meta["val"].device, config, profiles)) for s in saved]
     counters["hot"]["saved_compressed"] += sum(r.decision != "kept" for r in rows)
     return rows

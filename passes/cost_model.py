@@ -123,7 +123,8 @@ def saved_compression_cost(
 
     original = 0: the tensor is written in the forward and read in the backward either way;
     coded = the forward's row reductions and rounding ``2·numel·b / R + p / W`` + the backward's
-    decoding ``p / R + numel·b / W`` + ``2c``, saving ``numel·b − p`` bytes.
+    decoding ``p / R + numel·b / W`` + ``2c`` + ``o`` (the encoder is one of HOT's ops), saving
+    ``numel·b − p`` bytes.
     """
     packed = numel * code_bits // 8 + 4 * scales * rows
     hot = (
@@ -132,6 +133,7 @@ def saved_compression_cost(
         + packed / profile.read_bw
         + numel * elem_bytes / profile.write_bw
         + 2 * profile.kernel_overhead
+        + profile.op_overhead
     )
     return SiteCost(0.0, hot, saved_bytes_before=numel * elem_bytes, saved_bytes_after=packed)
 

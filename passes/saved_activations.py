@@ -37,7 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime import ops
 from ..runtime.quant import dequantize, unpack_nibbles
-from .cost_model import saved_compression_cost
+from .cost_model import SiteCost, saved_compression_cost
 from .inline import insert_traced
 from .provenance import provenance
 from .report import SiteRow
@@ -343,18 +343,37 @@ def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[Sa
     bw.recompile()
 
 
-def saved_row(s: SavedValue, profile) -> SiteRow:
-    """The report row of one saved value: bytes before and after, and the added passes' estimate."""
+def compression_cost(s: SavedValue, profile) -> SiteCost:
+    """The estimated added time and the bytes of ``s``'s code (:func:`~.cost_model.saved_compression_cost`)."""
     val = s.forward.meta["val"]
     numel = optimization_hint(val.numel())
     rows = numel // max(optimization_hint(val.shape[-1]), 1) if val.dim() else 1
-    before = numel * val.element_size()
+    code_bits, scales = (ROW_BITS, 1) if s.factor is None else (DERIVATIVE_BITS, 2)
+    return saved_compression_cost(numel, rows, val.element_size(), code_bits, scales, profile)
+
+
+def keep_over_budget(costed: list[tuple[SavedValue, SiteCost]], budget_s: float, why: str) -> None:
+    """Compress the values that save the most bytes per estimated second first, while their added
+    time stays within ``budget_s``; the others are kept, with ``why``."""
+
+    def bytes_per_second(item):
+        cost = item[1]
+        return (cost.saved_bytes_before - cost.saved_bytes_after) / cost.hot_s
+
+    spent = 0.0
+    for s, cost in sorted(costed, key=bytes_per_second, reverse=True):
+        if spent + cost.hot_s <= budget_s:
+            spent += cost.hot_s
+        else:
+            s.reason = why
+
+
+def saved_row(s: SavedValue, profile) -> SiteRow:
+    """The report row of one saved value: bytes before and after, and the added passes' estimate."""
+    val = s.forward.meta["val"]
+    before = optimization_hint(val.numel()) * val.element_size()
     decision = s.decision
-    cost = None
-    if decision != "kept":
-        code_bits = ROW_BITS if s.factor is None else DERIVATIVE_BITS
-        scales = 1 if s.factor is None else 2
-        cost = saved_compression_cost(numel, rows, val.element_size(), code_bits, scales, profile)
+    cost = None if decision == "kept" else compression_cost(s, profile)
     if decision == INT8_ROWS:
         reason, numerics = "error ≤ max|row|/254", "INT8 per row, round to nearest"
     elif decision == DERIVATIVE:

@@ -3,6 +3,7 @@ the codes against float64, the gradients each code gives within the bound of its
 compiled model saves."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import hot_compile
 from hot_compile import HotConfig
 from hot_compile.harness import models
 from hot_compile.inductor_pass import HotPassWarning
-from hot_compile.passes.saved_activations import DERIVATIVE, DERIVATIVE_BITS, INT8_ROWS
+from hot_compile.passes.cost_model import SiteCost
+from hot_compile.passes.saved_activations import DERIVATIVE, DERIVATIVE_BITS, INT8_ROWS, keep_over_budget
 from hot_compile.runtime import quant
 from tests import tolerances as tol
 from tests.data import make, rel_err
@@ -198,6 +200,32 @@ def test_a_block_under_autocast_keeps_weight_casts_and_compresses_bf16_activatio
     rows = report.select(path="saved")
     assert any("a weight's cast" in r.reason for r in rows if r.decision == "kept")
     assert {r.dtype for r in rows if r.decision == INT8_ROWS} == {"bfloat16"}
+
+
+def test_the_budget_compresses_the_most_bytes_per_second_first():
+    cost = lambda saved_mib, ms: SiteCost(0.0, ms / 1e3, saved_bytes_before=(saved_mib + 1) << 20, saved_bytes_after=1 << 20)
+    values = [types.SimpleNamespace(name=n, reason=None) for n in "abcd"]
+    # Bytes per ms: a 4, b 1, c 8, d 2; a 5 ms budget takes c (1 ms), a (2 ms), d (2 ms), not b.
+    keep_over_budget(list(zip(values, [cost(8, 2), cost(4, 4), cost(8, 1), cost(4, 2)])), 5e-3, "over")
+    assert [v.reason for v in values] == [None, "over", None, None]
+
+
+def _saved_under_balanced(max_slowdown: float):
+    _, _, _, report = _block_step(HotConfig(strict=True, compress_saved=True, max_slowdown=max_slowdown))
+    rows = report.select(path="saved")
+    products_ms = sum(r.est_original_ms or 0.0 for r in report.products())
+    return [r for r in rows if r.decision != "kept"], [r for r in rows if "over the budget" in r.reason], products_ms
+
+
+def test_balanced_compresses_within_max_slowdown_of_the_products_estimate():
+    compressed, over, _ = _saved_under_balanced(0.1)  # the default
+    assert over and not compressed  # a 64-wide block: each encoder's fixed cost is over the budget
+    compressed, over, products_ms = _saved_under_balanced(1000.0)
+    assert compressed and not over
+    bound = 0.5 * sum(r.est_hot_ms for r in compressed) / products_ms  # half of what compressing all adds
+    compressed, over, products_ms = _saved_under_balanced(bound)
+    assert compressed and over
+    assert sum(r.est_hot_ms for r in compressed) <= bound * products_ms
 
 
 @pytest.mark.parametrize(
