@@ -351,15 +351,17 @@ def run_saved_pass(
     ``"memory"`` compress every eligible value."""
     saved = find_saved_values(fw, bw, num_fwd_outputs, parameters)
     profiles: dict = {}
-    balanced = []
+    costs, balanced = {}, []
     for s in saved:
         module = module_path(s.forward)
         module_config = config.for_module(module)
         s.reason = s.reason or why_saved_not_selected(module_config, module)
         if module_config.saved_derivative_bits is None:
             s.factor = None
-        if s.reason is None and module_config.policy == "balanced":
-            balanced.append((s, compression_cost(s, _profile(s.forward.meta["val"].device, config, profiles))))
+        if s.reason is None:
+            costs[id(s)] = compression_cost(s, _profile(s.forward.meta["val"].device, config, profiles))
+            if module_config.policy == "balanced":
+                balanced.append((s, costs[id(s)]))
     budget = config.max_slowdown * products_s
     keep_over_budget(
         balanced,
@@ -368,6 +370,6 @@ def run_saved_pass(
         f"estimated {products_s * 1e3:.3g} ms = {budget * 1e3:.3g} ms of added time, spent on the values that save most per ms",
     )
     compress_saved_values(fw, bw, saved)
-    rows = [saved_row(s, _profile(s.forward.meta["val"].device, config, profiles)) for s in saved]
+    rows = [saved_row(s, None if s.reason else costs[id(s)]) for s in saved]
     counters["hot"]["saved_compressed"] += sum(r.decision != "kept" for r in rows)
     return rows

@@ -368,12 +368,12 @@ def keep_over_budget(costed: list[tuple[SavedValue, SiteCost]], budget_s: float,
             s.reason = why
 
 
-def saved_row(s: SavedValue, profile) -> SiteRow:
-    """The report row of one saved value: bytes before and after, and the added passes' estimate."""
+def saved_row(s: SavedValue, cost: SiteCost | None) -> SiteRow:
+    """The report row of one saved value: bytes before and after, and ``cost``, its compression's
+    estimate (:func:`compression_cost`; None where it is kept)."""
     val = s.forward.meta["val"]
     before = optimization_hint(val.numel()) * val.element_size()
     decision = s.decision
-    cost = None if decision == "kept" else compression_cost(s, profile)
     if decision == INT8_ROWS:
         reason, numerics = "error ≤ max|row|/254", "INT8 per row, round to nearest"
     elif decision == DERIVATIVE:

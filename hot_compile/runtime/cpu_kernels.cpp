@@ -15,14 +15,15 @@ void load_row(const T* x, int64_t n, int64_t stride, int64_t padded, float* row)
   std::fill(row + n, row + padded, 0.0f);
 }
 
-// load_row then hadamard16 on each block of 16, for a row of unit stride, in registers; returns max|v|.
+// A row of `n` values `stride` apart, zero-padded to `width`, times the Hadamard matrix in blocks of 16,
+// into `row`, in one sweep with the values in registers; returns max|v| (NaN if any is NaN).
 template <typename T>
-float load_hadamard_row(const T* x, int64_t n, int64_t width, float* row) {
+float load_hadamard_row(const T* x, int64_t n, int64_t stride, int64_t width, float* row) {
   // Two running maxima, and NaNs apart: a chain of compare-and-blend per vector would bound the loop.
   Float16x m0 = {}, m1 = {};
   Int16x nan = {};
   int64_t c = 0;
-  for (; c + 32 <= n; c += 32) {
+  for (; stride == 1 && c + 32 <= n; c += 32) {
     const Float16x v0 = hadamard16(load16(x + c)), v1 = hadamard16(load16(x + c + 16));
     std::memcpy(row + c, &v0, sizeof v0);
     std::memcpy(row + c + 16, &v1, sizeof v1);
@@ -32,7 +33,8 @@ float load_hadamard_row(const T* x, int64_t n, int64_t width, float* row) {
     nan |= (a0 != a0) | (a1 != a1);
   }
   for (; c < n; c += 16) {
-    const Float16x v = hadamard16(c + 16 <= n ? load16(x + c) : load16(x + c, n - c));
+    const bool whole = stride == 1 && c + 16 <= n;
+    const Float16x v = hadamard16(whole ? load16(x + c) : load16(x + c * stride, std::min<int64_t>(16, n - c), stride));
     std::memcpy(row + c, &v, sizeof v);
     const Float16x a = magnitude(v);
     m0 = a > m0 ? a : m0;
@@ -59,18 +61,10 @@ void rows_quantize(const T* x, int64_t rows, int64_t n, int64_t row_stride, int6
     for (int64_t r = 0; r < rows; ++r) {
       float* v = row.data();
       float amax;
-      if (hadamard && col_stride == 1) {
-        amax = load_hadamard_row(x + r * row_stride, n, width, v);
+      if (hadamard) {
+        amax = load_hadamard_row(x + r * row_stride, n, col_stride, width, v);
       } else {
         load_row(x + r * row_stride, n, col_stride, width, v);
-        if (hadamard) {
-          for (int64_t b = 0; b < width; b += BLOCK) {
-            Float16x block;
-            std::memcpy(&block, v + b, sizeof block);
-            block = hadamard16(block);
-            std::memcpy(v + b, &block, sizeof block);
-          }
-        }
         amax = scale_in == nullptr ? span_amax(v, width) : 0.0f;
       }
       float scale;
@@ -104,25 +98,6 @@ inline void transform_tile(const float* basis, int64_t count, const float (*xb)[
   }
 }
 
-// In place: each column of the 16-row tile times the Hadamard matrix (Sylvester order), by butterflies:
-// 4 additions per value where the dense product takes 16 multiply-adds.
-inline void hadamard_tile(float (*xb)[TILE]) {
-  for (int64_t h = 1; h < BLOCK; h <<= 1) {
-    for (int64_t i = 0; i < BLOCK; i += 2 * h) {
-      for (int64_t j = i; j < i + h; ++j) {
-        float* a = xb[j];
-        float* b = xb[j + h];
-#pragma omp simd
-        for (int64_t c = 0; c < TILE; ++c) {
-          const float u = a[c], v = b[c];
-          a[c] = u + v;
-          b[c] = u - v;
-        }
-      }
-    }
-  }
-}
-
 template <typename T>
 void load_tile(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, int64_t block,
                int64_t c0, int64_t cols, float (*xb)[TILE]) {
@@ -136,21 +111,21 @@ void load_tile(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
   }
 }
 
-// load_tile then hadamard_tile for a whole block (16 rows) of unit column stride, with each group of 16
-// columns held in registers through the butterflies (the same additions in the same order): the tile is
-// written once instead of once per stage.
+// A whole block (16 rows) of the tile, each column times the Hadamard matrix (Sylvester order) by
+// butterflies, 4 additions per value where the dense product takes 16 multiply-adds; 16 columns at
+// a time held in registers through the four stages, so the tile is written once.
 template <typename T>
-void load_hadamard_tile(const T* x, int64_t row_stride, int64_t block, int64_t c0, int64_t cols,
+void load_hadamard_tile(const T* x, int64_t row_stride, int64_t col_stride, int64_t block, int64_t c0, int64_t cols,
                         float (*xb)[TILE]) {
-  const T* first = x + block * BLOCK * row_stride + c0;
+  const T* first = x + block * BLOCK * row_stride + c0 * col_stride;
   for (int64_t g = 0; g < TILE; g += 16) {
     const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, cols - g));
     Float16x v[BLOCK];
-    if (count == 16) {  // the common case, without a branch per row
+    if (count == 16 && col_stride == 1) {  // the common case, without a branch per row
 #pragma GCC unroll 16
       for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g);
     } else {
-      for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g, count);
+      for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g * col_stride, count, col_stride);
     }
 #pragma GCC unroll 4
     for (int64_t h = 1; h < BLOCK; h <<= 1) {
@@ -247,11 +222,10 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
         const int64_t count = std::min(rank, out_rows - b * rank);
         if (count <= 0) continue;
         const bool hadamard = b < whole && butterflies;
-        if (hadamard && col_stride == 1) {
-          load_hadamard_tile(x, row_stride, b, c0, cols, xb);
+        if (hadamard) {
+          load_hadamard_tile(x, row_stride, col_stride, b, c0, cols, xb);
         } else {
           load_tile(x, n, k, row_stride, col_stride, b, c0, cols, xb);
-          if (hadamard) hadamard_tile(xb);
         }
         const float* result[BLOCK];
         if (hadamard) {

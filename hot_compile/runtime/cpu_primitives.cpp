@@ -80,11 +80,11 @@ inline Float16x load16(const _Float16* x) {
   std::memcpy(&v, x, sizeof v);
   return __builtin_convertvector(v, Float16x);
 }
-// The first `count` ≤ 16 of them, zero beyond.
+// The first `count` ≤ 16 values `stride` apart, zero beyond.
 template <typename T>
-inline Float16x load16(const T* x, int64_t count) {
+inline Float16x load16(const T* x, int64_t count, int64_t stride = 1) {
   T padded[16] = {};
-  std::copy(x, x + count, padded);
+  for (int64_t i = 0; i < count; ++i) padded[i] = x[i * stride];
   return load16(padded);
 }
 
