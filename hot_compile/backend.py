@@ -17,6 +17,7 @@ from .observability import report
 from .config import HotConfig, split_options
 from .inductor_pass import HotJointPass, HotPartitioner, parameter_inputs
 from .observability.inspection import NO_COMPILE_ID, record_partition
+from .runtime import lowerings
 
 
 def _chain_joint_passes(existing: Any, hot_pass: HotJointPass) -> list:
@@ -38,6 +39,7 @@ def compile_with_hot(
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    lowerings.register()
     patches: dict[str, Any] = dict(list_mode_options(mode)) if mode else {}
     patches.update(inductor_options or {})
     hot_pass = HotJointPass(config, parameter_inputs(example_inputs))

@@ -1,9 +1,11 @@
 """The integer forward (``HotConfig.forward_bits``): the op against float64, and the rewrite in the pass."""
 
 import copy
+import re
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import hot_compile
 from hot_compile import HotConfig
@@ -103,6 +105,22 @@ def test_forward_bits_through_inductor_matches_the_exact_model():
     assert len(hot_compile.last_report().select(path="fwd", decision="HQ")) == 4  # qkv, proj, fc1, fc2
     errors = grad_errors(model, compiled, x)
     assert errors and max(errors.values()) < tol.E2E_GRAD_INT8_FORWARD, errors
+
+
+def test_a_value_two_hot_ops_read_is_computed_once():
+    """fc2's input (GELU's output, a view of a pointwise value) is read by ABC's compression and by
+    the integer forward: Inductor writes it into one buffer, which both extern calls read."""
+    model = MLP(32, 64)
+    compiled = torch.compile(model, backend="hot", options={"policy": "hot", "strict": True, "forward_bits": 8})
+    _, (forward_code, *_) = run_and_get_code(compiled, torch.randn(4, 48, 32))
+    report = hot_compile.last_report()
+    assert len(report.select(path="fwd", decision="HQ")) == len(report.select(path="gw", decision="HLA+ABC")) == 2
+    read = {
+        op: re.findall(rf"torch\.ops\.hot_compile\.{op}\.default\((\w+|reinterpret_tensor\(\w+)", forward_code)
+        for op in ("compress_activation", "int8_linear")
+    }
+    assert len(read["compress_activation"]) == len(read["int8_linear"]) == 2, read
+    assert read["compress_activation"][1] == read["int8_linear"][1], read
 
 
 def test_forward_bits_is_validated():
