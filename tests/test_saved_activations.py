@@ -200,6 +200,9 @@ def test_a_block_under_autocast_keeps_weight_casts_and_compresses_bf16_activatio
     rows = report.select(path="saved")
     assert any("a weight's cast" in r.reason for r in rows if r.decision == "kept")
     assert {r.dtype for r in rows if r.decision == INT8_ROWS} == {"bfloat16"}
+    # GELU's derivative, computed in float32, is encoded from its bf16 rounding, as wide as its input.
+    (encoder,) = graphs.nodes("forward", torch.ops.hot_compile.encode_derivative.default)
+    assert encoder.args[0].meta["val"].dtype == torch.bfloat16
 
 
 def test_the_budget_compresses_the_most_bytes_per_second_first():
