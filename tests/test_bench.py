@@ -179,3 +179,22 @@ def test_saved_for_backward_bytes_counts_each_storage_once():
 
     assert saved_for_backward_bytes(step, [w]) == 2 * 4 * 8 * 4
     assert saved_for_backward_bytes(step) == 2 * 4 * 8 * 4 + 8 * 8 * 4
+
+
+def test_peak_live_bytes_counts_what_a_run_holds_at_once():
+    from hot_compile.observability.memory import peak_live_bytes
+
+    before = torch.zeros(1 << 16)
+
+    def run():
+        del before_ref[0]  # a tensor from before the run: its free does not count
+        a = torch.ones(1 << 18)  # 1 MiB
+        b = a * 2  # 2 MiB alive
+        del a
+        c = b + 1  # 2 MiB alive again, not 3
+        return c.sum()
+
+    before_ref = [before]
+    del before
+    two_mib = 2 * 4 * (1 << 18)
+    assert two_mib <= peak_live_bytes(run) < two_mib + 64  # and a few scalars (the sum)

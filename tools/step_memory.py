@@ -4,9 +4,12 @@
 mark, shared by all of them. Here each (model, variant) pair gets a fresh interpreter that builds the
 model, compiles it, runs warm-up steps, hands the heap's free memory back to the system
 (``malloc_trim``, so that what the compile and the warm-up steps left behind does not count), then
-resets the kernel's peak-RSS counter (``VmHWM``) and runs one more step. Reported: that step's peak RSS, its growth over the RSS before the step, and
-the bytes saved for backward, with ratios against Inductor bf16 (the variant a user of a CPU with
-bf16 runs; Inductor fp32 where bf16 is not measured).
+resets the kernel's peak-RSS counter (``VmHWM``) and runs one more step. Reported: that step's peak
+RSS, its growth over the RSS before the step, the most bytes of tensors the step holds at once (the
+CPU counterpart of CUDA's ``max_memory_allocated``, from a further step under ``torch.profiler``:
+no libraries, compiled code or allocator holdings in it), and the bytes saved for backward, with
+ratios against Inductor bf16 (the variant a user of a CPU with bf16 runs; Inductor fp32 where bf16
+is not measured).
 
     python tools/step_memory.py --out benchmarks/memory-zen4    # writes step_memory.{json,md}
     python tools/step_memory.py --models resnet --hot-policy hot --out benchmarks/memory-zen4-conv
@@ -48,6 +51,7 @@ def _child(model: str, variant: str, threads: int, hot_policy: str | None, compr
         "variant": variant,
         "peak_rss_bytes": peak,
         "step_rss_growth_bytes": growth,
+        "peak_live_bytes": runner.peak_live_bytes(),  # after the RSS step: the profiler's records add to RSS
         "saved_bytes": runner.saved_bytes(),
     }
 
@@ -56,12 +60,12 @@ def _markdown(rows: list[dict], command: str) -> str:
     lines = [
         f"`{command}`",
         "",
-        "| model | variant | peak RSS of a step MiB | vs baseline | step RSS growth MiB | saved for backward MiB | vs baseline |",
-        "|---|---|---|---|---|---|---|",
+        "| model | variant | peak RSS of a step MiB | vs baseline | step RSS growth MiB | peak live tensors MiB | vs baseline | saved for backward MiB | vs baseline |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "skipped" in row:
-            lines.append(f"| {row['model']} | {row['variant']} | skipped: {row['skipped']} | | | | |")
+            lines.append(f"| {row['model']} | {row['variant']} | skipped: {row['skipped']} | | | | | | |")
             continue
         base = next(
             (r for v in ("inductor-bf16", "inductor-fp32") for r in rows if r["model"] == row["model"] and r["variant"] == v and "skipped" not in r),
@@ -70,6 +74,7 @@ def _markdown(rows: list[dict], command: str) -> str:
         lines.append(
             f"| {row['model']} | {row['variant']} | {row['peak_rss_bytes'] / MIB:.0f} | "
             f"{row['peak_rss_bytes'] / base['peak_rss_bytes']:.2f} | {row['step_rss_growth_bytes'] / MIB:.0f} | "
+            f"{row['peak_live_bytes'] / MIB:.0f} | {row['peak_live_bytes'] / base['peak_live_bytes']:.2f} | "
             f"{row['saved_bytes'] / MIB:.1f} | {row['saved_bytes'] / max(base['saved_bytes'], 1):.2f} |"
         )
     return "\n".join(lines) + "\n"

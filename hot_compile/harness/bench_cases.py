@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from ..config import POLICIES, HotConfig
-from ..observability.memory import saved_for_backward_bytes
+from ..observability.memory import peak_live_bytes, saved_for_backward_bytes
 from ..runtime import ops
 from .models import MLP, LastHiddenState, ResNetStack, ViTStack
 
@@ -281,6 +281,10 @@ class Runner:
         if before is None or peak is None:
             return None, None
         return peak * 1024, (peak - before) * 1024
+
+    def peak_live_bytes(self) -> int:
+        """The most bytes of tensors a step holds at once (allocated during the step)."""
+        return peak_live_bytes(lambda: self.step(1))
 
     def grad_error(self, reference: dict[str, torch.Tensor]) -> tuple[float, float]:
         torch.manual_seed(1234)

@@ -35,3 +35,25 @@ def saved_for_backward_bytes(run: Callable[[], object], exclude: Iterable[torch.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run()
     return sum(seen.values())
+
+
+
+def peak_live_bytes(run: Callable[[], object]) -> int:
+    """The most bytes of CPU tensors that ``run()`` allocates alive at one time.
+
+    The CPU counterpart of ``torch.cuda.max_memory_allocated`` over ``run()``: the running sum of
+    ``torch.profiler``'s allocation and free events, from zero at its start. Tensors that existed
+    before ``run()`` count neither alive nor freed, and what the allocator holds beyond live tensors
+    (freed memory kept by the process, fragmentation) is not in it: peak RSS measures that.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
