@@ -30,7 +30,8 @@ def _cuda_int_mm_problem(site: LinearSite | ConvSite, path: str) -> str | None:
     return None
 
 
-def _unsupported(values) -> str | None:
+def unsupported(values) -> str | None:
+    """Why tensors of `values` cannot be HOT operands (dtype, device); None when they can."""
     for v in values:
         if v.dtype not in SUPPORTED_DTYPES:
             return f"dtype {v.dtype} is not one of float32/bfloat16/float16"
@@ -46,7 +47,7 @@ def why_illegal_forward(site: LinearSite, bias: fx.Node | None) -> str | None:
     values += [bias.meta.get("val")] if bias is not None else []
     if any(v is None for v in values):
         return "no fake-tensor metadata on the operands"
-    problem = _unsupported(values)
+    problem = unsupported(values)
     if problem:
         return problem
     if bias is not None and tuple(values[-1].shape) != (site.shapes[1],):
@@ -66,7 +67,7 @@ def why_illegal(site: LinearSite, use: MatmulUse, path: str, config: HotConfig) 
     operands = [use.grad.meta.get("val"), site.x2d.meta.get("val"), site.weight.meta.get("val")]
     if out is None or any(v is None for v in operands):
         return "no fake-tensor metadata on the operands"
-    return _unsupported((out, *operands)) or _size_problem(site, path, config, out.device, "matmul", "L")
+    return unsupported((out, *operands)) or _size_problem(site, path, config, out.device, "matmul", "L")
 
 
 def _size_problem(
@@ -102,7 +103,7 @@ def why_illegal_conv(site: ConvSite, path: str, config: HotConfig) -> str | None
             f"{kind} convolution (groups={site.groups}): each group contracts {weight.shape[1]} input "
             "channel(s) per output, too few for an integer product to pay; kept exact"
         )
-    problem = _unsupported(values)
+    problem = unsupported(values)
     if problem:
         return problem
     if not all(isinstance(d, int) for d in values[1].shape[2:]):

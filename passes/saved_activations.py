@@ -16,13 +16,8 @@ tensors the forward hands the backward. Each float intermediate becomes one of t
   nearest (``s = max|row| / 127``), dequantized where the backward first reads it; every error is at
   most half a level, ``max|row| / 254``.
 
-Graph inputs and parameters are left alone (they outlive the step anyway). Kept, each with a report
-row that says why: non-float tensors, tensors marked MUST_SAVE (HOT's own compressed buffers),
-outputs of the forward, values computed from parameters alone (a weight's cast: the exact products
-reading it stay exact), tensors whose rows are shorter than :data:`MIN_ROW` (a LayerNorm's mean and
-reciprocal deviation: a scale per row would not shrink them), an attention's log-sum-exp (it sets
-the probabilities' scale: an error of half a level multiplies every probability of the row),
-attention masks (an additive mask may hold ``-inf``) and broadcast views.
+Graph inputs and parameters are left alone (they outlive the step anyway). The rest is kept where
+:func:`why_kept` gives a reason, which the value's report row shows.
 """
 
 from __future__ import annotations
@@ -39,6 +34,7 @@ from ..runtime import ops
 from ..runtime.quant import dequantize, unpack_nibbles
 from .cost_model import SiteCost, saved_compression_cost
 from .inline import insert_traced
+from .legality import unsupported
 from .provenance import provenance
 from .report import SiteRow
 from .sites import WeightLike, module_path
@@ -129,6 +125,8 @@ def why_kept(node: fx.Node, placeholder: fx.Node, inner_outputs: set[fx.Node], w
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or not val.is_floating_point():
         return f"not a float tensor ({getattr(val, 'dtype', type(val).__name__)})"
+    if (problem := unsupported([val])) is not None:
+        return problem
     if node.meta.get("recompute") is CheckpointPolicy.MUST_SAVE:
         return "marked MUST_SAVE: HOT's compressed buffers, or a checkpoint policy's choice"
     if node in inner_outputs:
@@ -336,18 +334,14 @@ def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[Sa
         suffixes = ("int8", "scale") if s.factor is None else ("df4", "df_lo", "df_step")
         nodes = [_renamed(fw_graph, n, _unique_name(f"{s.forward.name}_{suffix}", taken)) for n, suffix in zip(nodes, suffixes)]
         replacement[s.forward] = nodes
-        inputs = []
         with bw_graph.inserting_before(s.backward):
-            for node in nodes:
-                inputs.append(bw_graph.placeholder(node.name))
-                inputs[-1].meta = {"val": node.meta["val"]}
+            inputs = [bw_graph.placeholder(node.name) for node in nodes]
+        for placeholder, node in zip(inputs, nodes):
+            placeholder.meta = {"val": node.meta["val"]}
         _decode(bw_graph, s, inputs, position)
 
     output = fw_graph.output_node()
-    outs = []
-    for node in output.args[0]:
-        outs.extend(replacement.get(node, [node]))
-    output.args = (tuple(outs),)
+    output.args = (tuple(code for node in output.args[0] for code in replacement.get(node, [node])),)
     fw.recompile()
     bw.recompile()
 

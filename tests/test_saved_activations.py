@@ -130,6 +130,16 @@ def test_without_the_derivative_code_a_gelu_input_is_saved_as_int8_rows():
         HotConfig(saved_derivative_bits=3)
 
 
+def test_a_float64_model_keeps_its_saved_values_and_trains():
+    torch.manual_seed(0)
+    model = LinearGelu().double()
+    compiled, _ = aot_compile(model, HotConfig(**ON))
+    compiled(torch.randn(64, 24, dtype=torch.float64)).sum().backward()
+    rows = hot_compile.last_report().select(path="saved")
+    assert rows and all(r.decision == "kept" and "float64" in r.reason for r in rows)
+    assert model.fc.weight.grad is not None
+
+
 def test_int8_rows_bound_the_gradient_by_half_a_level():
     torch.manual_seed(0)
     model, x, gy = Bilinear(), torch.randn(64, 24), torch.randn(64, 48)
@@ -249,8 +259,10 @@ def test_options_that_keep_the_saved_activations(options, reason):
     assert not [t for t in graphs.saved() if t.dtype == torch.int8 and t.dim() == 4]  # attention's q, k, v, out
 
 
-def test_the_default_saves_what_the_partitioner_chose_with_no_row():
+def test_compress_saved_is_the_default_and_off_saves_what_the_partitioner_chose_with_no_row():
     _, _, graphs, report = _block_step(HotConfig(strict=True, policy="hot"))
+    assert report.select(path="saved", decision=DERIVATIVE) and report.select(path="saved", decision=INT8_ROWS)
+    _, _, graphs, report = _block_step(HotConfig(strict=True, policy="hot", compress_saved=False))
     assert report.rewritten() and not report.select(path="saved")
     assert not [t for t in graphs.saved() if t.dtype == torch.uint8]
 
