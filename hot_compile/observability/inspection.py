@@ -33,7 +33,7 @@ from torch._logging._internal import LazyString, log_state, register_artifact, r
 
 from ..config import HotConfig
 from ..passes.provenance import META_KEY
-from ..passes.report import Report
+from ..passes.report import PRODUCT_PATHS, Report
 from .picture import backward_picture
 
 __all__ = [
@@ -169,16 +169,22 @@ def graph_source(graph: fx.Graph) -> str:
     return code.src
 
 
+# The kinds of rows a report holds, as the summary names them; products are always counted.
+_ROW_KINDS = (("linear product site(s)", PRODUCT_PATHS), ("attention(s)", ("attn",)), ("saved value(s)", ("saved",)))
+
+
 def summary(report: Report) -> str:
-    """One line: how many sites, how many rewritten by which rewrite, how many kept."""
-    decisions = collections.Counter(row.decision for row in report.rows)
-    rewritten = sum(n for d, n in decisions.items() if d != "kept")
-    detail = ", ".join(f"{n} {d}" for d, n in sorted(decisions.items()) if d != "kept")
-    return (
-        f"{len(report.rows)} linear product site(s): {rewritten} rewritten"
-        + (f" ({detail})" if detail else "")
-        + f", {decisions.get('kept', 0)} kept"
-    )
+    """One line: per kind of site, how many, how many rewritten by which rewrite, how many kept."""
+    parts = []
+    for noun, paths in _ROW_KINDS:
+        rows = [row for row in report.rows if row.path in paths]
+        if not rows and paths is not PRODUCT_PATHS:
+            continue
+        decisions = collections.Counter(row.decision for row in rows)
+        rewritten = sum(n for d, n in decisions.items() if d != "kept")
+        detail = ", ".join(f"{n} {d}" for d, n in sorted(decisions.items()) if d != "kept")
+        parts.append(f"{len(rows)} {noun}: {rewritten} rewritten" + (f" ({detail})" if detail else "") + f", {decisions.get('kept', 0)} kept")
+    return "; ".join(parts)
 
 
 def _rewrites(graph: fx.Graph) -> dict[tuple[str, str, str, str], list[fx.Node]]:
