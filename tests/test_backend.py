@@ -101,8 +101,9 @@ def test_policy_off_is_bitwise_inductor():
     off = _grads(model, torch.compile(model, backend="hot", options={"policy": "off"}), x)
     for name in inductor:
         assert torch.equal(inductor[name], off[name]), name
-    rows = hot_compile.last_report().rows  # every product found, and kept by the policy alone
-    assert len(rows) == 12 and all(r.decision == "kept" and r.reason == "policy='off'" for r in rows)  # 4 linears: fwd, gx, gw
+    report = hot_compile.last_report()  # every product and saved value found, and kept by the policy alone
+    assert len(report.products()) == 12 and all(r.reason == "policy='off'" for r in report.products())  # 4 linears: fwd, gx, gw
+    assert report.select(path="saved") and all(r.decision == "kept" for r in report)
 
 
 def _saved_bytes(compiled, x, params):
@@ -130,7 +131,7 @@ def test_saved_activations_are_int8():
     ind(x)
     before = _saved_bytes(ind, x, params)
     torch._dynamo.reset()
-    hot = torch.compile(model, backend="hot", options={"strict": True, "policy": "hot"})
+    hot = torch.compile(model, backend="hot", options={"strict": True, "policy": "hot", "compress_saved": False})
     hot(x)
     after = _saved_bytes(hot, x, params)
     print(f"saved for backward: inductor {before}, hot {after}")

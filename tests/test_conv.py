@@ -200,7 +200,7 @@ def test_depthwise_and_grouped_convolutions_are_kept_with_reason():
     model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1, groups=2))
     compiled, graphs = aot_compile(model, STRICT)
     compiled(torch.randn(2, 8, 8, 8, requires_grad=True)).sum().backward()
-    rows = [r for r in hot_compile.last_report() if r.path != "fwd"]
+    rows = [r for r in hot_compile.last_report().products() if r.path != "fwd"]
     assert {(r.module, r.decision) for r in rows} == {("0", "kept"), ("2", "kept")}
     assert all("depthwise" in r.reason for r in rows if r.module == "0")
     assert all("grouped convolution (groups=2)" in r.reason for r in rows if r.module == "2")
@@ -219,7 +219,7 @@ def test_symbolic_spatial_size_is_kept_with_reason():
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
     compiled = torch.compile(model, backend="hot", options={"policy": "hot", "strict": True}, dynamic=True)
     compiled(torch.randn(2, 3, 8, 8)).sum().backward()
-    rows = [r for r in hot_compile.last_report() if r.path != "fwd"]
+    rows = [r for r in hot_compile.last_report().products() if r.path != "fwd"]
     assert len(rows) == 3 and all(r.decision == "kept" and "spatial size is symbolic" in r.reason for r in rows)
 
 
@@ -282,7 +282,7 @@ def test_rectangular_kernel_dilation_and_channels_last_input():
     compiled, _ = aot_compile(model, STRICT)
     x = torch.randn(4, 8, 12, 9).to(memory_format=torch.channels_last)
     errors = grad_errors(model, compiled, x)
-    assert {(r.module, r.path, r.decision) for r in hot_compile.last_report() if r.path != "fwd"} == {
+    assert {(r.module, r.path, r.decision) for r in hot_compile.last_report().products() if r.path != "fwd"} == {
         ("0", "gw", "HLA+ABC"), ("1", "gx", "HQ"), ("1", "gw", "HLA+ABC")
     }
     assert max(errors.values()) < tol.E2E_GRAD_CONV

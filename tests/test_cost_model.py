@@ -88,20 +88,20 @@ def test_policies_on_a_graph_and_overrides_win():
     base = HotConfig(strict=True, device_profile="cpu-sapphire-rapids-2core")
     x = torch.randn(4, 50, 32, requires_grad=True)
     aot_compile(MLP(), base.replace(policy="speed"))[0](x).sum().backward()
-    rows = hot_compile.last_report().rows
+    rows = hot_compile.last_report().products()
     assert len(rows) == 6 and all(r.decision == "kept" and "M·N·K" in r.reason for r in rows)
     assert all(r.est_original_ms > 0 and r.est_hot_ms > r.est_original_ms for r in rows)
 
     torch._dynamo.reset()
     aot_compile(MLP(), base.replace(policy="memory"))[0](x).sum().backward()
-    assert {(r.path, r.decision) for r in hot_compile.last_report()} == {("fwd", "kept"), ("gx", "kept"), ("gw", "HLA+ABC")}
+    assert {(r.path, r.decision) for r in hot_compile.last_report().products()} == {("fwd", "kept"), ("gx", "kept"), ("gw", "HLA+ABC")}
 
     torch._dynamo.reset()
     overridden = base.replace(policy="speed", overrides={"fc2": {"policy": "hot", "rank": 8}})
     aot_compile(MLP(), overridden)[0](x).sum().backward()
-    fc2 = [r for r in hot_compile.last_report() if r.module == "fc2"]
+    fc2 = [r for r in hot_compile.last_report().products() if r.module == "fc2"]
     assert fc2 and all(r.decision != "kept" for r in fc2)
-    fc1 = [r for r in hot_compile.last_report() if r.module == "fc1"]
+    fc1 = [r for r in hot_compile.last_report().products() if r.module == "fc1"]
     assert fc1 and all(r.decision == "kept" for r in fc1)
 
 

@@ -157,13 +157,13 @@ def test_unsupported_dtype_is_named():
 
 
 def test_the_pass_starts_loading_the_cpu_kernels(monkeypatch):
-    """The graph pass starts the library's build when it inserts CPU ops, before their first call."""
+    """The graph passes start the library's build when they insert CPU ops, before their first call."""
     devices = []
     prepare = ops.prepare
     monkeypatch.setattr(ops, "prepare", lambda device: devices.append(device) or prepare(device))
     compiled, graphs = aot_compile(MLP(32, 64, 32), HotConfig(policy="hot", strict=True))
     compiled(torch.randn(2, 16, 32)).sum().backward()
-    assert devices == [torch.device("cpu")]
+    assert devices and set(devices) == {torch.device("cpu")}
     assert any(node.target is torch.ops.hot_compile.hq_grad_input.default for node in graphs.backward.graph.nodes)
 
 

@@ -164,7 +164,7 @@ def test_recompiles_stay_bounded_with_varying_batch():
 def test_zero_size_batch_is_kept_and_trains():
     model = MLP()
     _hot(model)(torch.randn(0, 10, 32)).sum().backward()
-    rows = hot_compile.last_report().rows
+    rows = hot_compile.last_report().products()
     assert rows and all(r.decision == "kept" and "zero-size" in r.reason for r in rows)
     assert torch.equal(model.fc1.weight.grad, torch.zeros_like(model.fc1.weight))
 

@@ -75,8 +75,8 @@ def test_ablation_harness_runs_every_variant():
     assert decisions(hq, "gx") == decisions(hot, "gx") == {"HQ"}
     assert decisions(hla, "gw") == decisions(hot, "gw") == {"HLA+ABC"}
     assert "kept" not in decisions(int4, "gx")
-    assert all(row.decision == "kept" for r in results[1:6] for row in r.report.rows if row.module == "head")
-    assert all(row.decision != "kept" for row in paper.report.rows)  # the paper's recipe rewrites the head too
+    assert all(row.decision == "kept" for r in results[1:6] for row in r.report.products() if row.module == "head")
+    assert all(row.decision != "kept" for row in paper.report.products())  # the paper's recipe rewrites the head too
     assert {row.numerics for row in rank8.report.select(path="gw") if row.module != "head"} == {"INT8 rank 8 per_channel"}
     assert all(len(r.train_loss) == 2 and torch.isfinite(torch.tensor(r.train_loss)).all() for r in results)
     table = runner.summary(task, results)

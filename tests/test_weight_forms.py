@@ -77,7 +77,7 @@ def test_products_written_with_operators_are_sites():
     errors = grad_errors(model, compiled, x)
     assert max(errors.values()) < tol.E2E_GRAD_INT8_FORWARD, errors
     # four forwards and grad_weights, and the grad_inputs of the three layers whose input needs one
-    assert _decisions(hot_compile.last_report()) == sorted([("fwd", "HQ")] * 4 + [("gx", "HQ")] * 3 + [("gw", "HLA+ABC")] * 4)
+    assert _decisions(hot_compile.last_report().products()) == sorted([("fwd", "HQ")] * 4 + [("gx", "HQ")] * 3 + [("gw", "HLA+ABC")] * 4)
     assert not graphs.nodes("backward", aten.mm.default) and not graphs.nodes("backward", aten.bmm.default)
     linear_errors = grad_errors(linears, aot_compile(linears, STRICT)[0], x)
     assert max(errors.values()) < 2 * max(linear_errors.values()), (errors, linear_errors)
@@ -115,7 +115,7 @@ def test_batched_products_of_a_weight_are_reported_kept():
             return torch.bmm(x, self.w.expand(x.shape[0], -1, -1))
 
     aot_compile(Expanded(), STRICT)[0](torch.randn(2, 40, 32, requires_grad=True)).square().mean().backward()
-    rows = hot_compile.last_report().rows
+    rows = hot_compile.last_report().products()
     assert sorted(r.path for r in rows) == ["gw", "gx"]
     assert all(r.decision == "kept" and "batched matmul (bmm) of a weight over a batch" in r.reason for r in rows)
 
@@ -162,7 +162,7 @@ def test_weights_computed_from_parameters_are_sites_and_their_parameters_get_gra
         assert errors[name] < tol.E2E_GRAD_INT8_FORWARD, (name, errors)
     report = hot_compile.last_report()
     assert {(r.module, r.path) for r in report.rewritten()} == {(m, p) for m in ("", "normed") for p in ("fwd", "gx", "gw")}
-    assert not [r for r in report if r.decision == "kept"]  # B @ A, a product of two weights, is no site
+    assert not [r for r in report.products() if r.decision == "kept"]  # B @ A, a product of two weights, is no site
 
 
 @pytest.mark.parametrize(
