@@ -245,10 +245,7 @@ def _renamed(graph: fx.Graph, node: fx.Node, name: str) -> fx.Node:
 # site and shape (ops._run), where Inductor fusing a row reduction into each producer made its own
 # kernel, and the compile, per site.
 def _encoder_rows(order: list[int]):
-    def encode(x: torch.Tensor):
-        return ops.encode_rows(x.permute(order), ROW_BITS)
-
-    return encode
+    return lambda x: ops.encode_rows(x.permute(order), ROW_BITS)
 
 
 def _derivative_encoder(dtype: torch.dtype):
@@ -264,8 +261,10 @@ def _derivative_encoder(dtype: torch.dtype):
 
 
 def _order(val: torch.Tensor) -> list[int]:
-    """:func:`memory_order`, or the dimensions as they are for a view whose readers take any layout."""
-    return memory_order(val) or list(range(val.dim()))
+    """:func:`memory_order`, or for a view whose readers take any layout (a head of a fused qkv output)
+    the leading dimensions by descending stride, which the CPU encoder reads in place, then the rows'."""
+    leading = sorted(range(val.dim() - 1), key=lambda d: (-optimization_hint(val.stride()[d]), d))
+    return memory_order(val) or leading + [val.dim() - 1]
 
 
 def _encode(graph: fx.Graph, s: SavedValue, created: list[fx.Node]) -> list[fx.Node]:

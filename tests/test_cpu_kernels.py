@@ -81,6 +81,37 @@ def test_encode_rows_is_the_reference_within_half_a_level_of_float64(dtype, kind
     assert (error <= exact.abs().amax(-1, keepdim=True) * (tol.HALF_INT8_LEVEL + tol.FP32_ROUNDINGS)).all()
 
 
+def _qkv_heads(dtype):
+    """q of a fused qkv output [2, 20, 3·4·32], as attention reads it: [2, 4, 20, 32], rows 32 apart
+    within a token and 384 apart across tokens."""
+    qkv = make("gaussian", 40, 384, 0).to(dtype).view(2, 20, 3, 4, 32)
+    return qkv.permute(2, 0, 3, 1, 4)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "layout, in_place",
+    [
+        ("heads of a fused qkv", False),  # three strides of rows: copied
+        ("tokens of those heads", True),  # the same rows in memory order (the pass's): two strides
+        ("a column slice", True),  # one stride of rows, wider than a row
+        ("a transposed matrix", False),  # a last dimension that is not contiguous: copied
+    ],
+)
+def test_encode_rows_reads_any_layout_as_the_reference(dtype, layout, in_place):
+    heads = _qkv_heads(dtype)
+    x = {
+        "heads of a fused qkv": heads,
+        "tokens of those heads": heads.transpose(1, 2),
+        "a column slice": make("gaussian", 50, 96, 1).to(dtype)[:, 16:80],
+        "a transposed matrix": make("gaussian", 50, 96, 1).to(dtype).t(),
+    }[layout]
+    q, scale = cpu_kernels.encode_rows(x, 8)
+    expected_q, expected_scale = aten_impl.encode_rows(x.contiguous(), bits=8)
+    assert torch.equal(scale, expected_scale) and torch.equal(q, expected_q)
+    assert (cpu_kernels._row_groups(x)[0] is x) == in_place
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_derivative_code_is_the_reference_and_unbiased(dtype):
     f = (make("gaussian", 8, 90, 0) * 3).sigmoid().to(dtype)  # a derivative-like range, 90 = 2 pairs of vectors and a tail

@@ -4,28 +4,41 @@
 
 namespace {
 
-// aten_impl.encode_rows: each row of `cols` values as int8 levels of s = max|row| / qmax (a zero scale
-// becomes 1), rounded half to even; one read of the row for its maximum, one for its levels.
+// The int8 levels of 16 values at scale `divisor`, rounded half to even, into out[0..16).
+inline void levels_of_row(Float16x divisor, Int16x top, const Float16x& v16, int8_t* out) {
+  Int16x l = nearest_levels(v16 / divisor, top);
+  l = l > -top ? l : -top;
+  const Int8x16 levels = __builtin_convertvector(l, Int8x16);
+  std::memcpy(out, &levels, 16);
+}
+
+// aten_impl.encode_rows: each row of `cols` contiguous values as int8 levels of s = max|row| / qmax (a
+// zero scale becomes 1), rounded half to even; one read of the row for its maximum, one for its
+// levels. Rows are `outer` × `inner`, the row (o, i) at x + o·outer_stride + i·inner_stride (a head's
+// query in a fused qkv projection's output, without a copy), and their codes are stored in that order.
 template <typename T>
-void rows_encode(const T* x, int64_t rows, int64_t cols, float qmax, int8_t* q, float* scale) {
+void rows_encode(const T* x, int64_t outer, int64_t inner, int64_t outer_stride, int64_t inner_stride, int64_t cols,
+                 float qmax, int8_t* q, float* scale) {
   const Int16x top = Int16x{} + int32_t(qmax);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* v = x + r * cols;
-    Float16x m = {};
-    for (int64_t c = 0; c < cols; c += 16) m = max_magnitude(m, c + 16 <= cols ? load16(v + c) : load16(v + c, cols - c));
-    float amax = 0.0f;
-    for (int i = 0; i < 16; ++i) amax = max_magnitude(amax, m[i]);
-    const float s = scale_of(amax, qmax);
-    scale[r] = s;
-    const Float16x divisor = Float16x{} + s;  // a division, as the reference's: ties round alike
-    int8_t* out = q + r * cols;
-    for (int64_t c = 0; c < cols; c += 16) {
-      const int64_t count = std::min<int64_t>(16, cols - c);
-      Int16x l = nearest_levels((count == 16 ? load16(v + c) : load16(v + c, count)) / divisor, top);
-      l = l > -top ? l : -top;
-      const Int8x16 levels = __builtin_convertvector(l, Int8x16);
-      std::memcpy(out + c, &levels, count == 16 ? 16 : count);
+  const int64_t whole = cols / 16 * 16;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int64_t i = 0; i < inner; ++i) {
+      const T* v = x + o * outer_stride + i * inner_stride;
+      const int64_t r = o * inner + i;
+      Float16x m = {};
+      for (int64_t c = 0; c < whole; c += 16) m = max_magnitude(m, load16(v + c));
+      if (whole < cols) m = max_magnitude(m, load16(v + whole, cols - whole));
+      const float s = scale_of(lanes_max(m), qmax);
+      scale[r] = s;
+      const Float16x divisor = Float16x{} + s;  // a division, as the reference's: ties round alike
+      int8_t* out = q + r * cols;
+      for (int64_t c = 0; c < whole; c += 16) levels_of_row(divisor, top, load16(v + c), out + c);
+      if (whole < cols) {
+        int8_t tail[16];
+        levels_of_row(divisor, top, load16(v + whole, cols - whole), tail);
+        std::memcpy(out + whole, tail, cols - whole);
+      }
     }
   }
 }
@@ -78,8 +91,9 @@ void derivative_encode(const T* x, int64_t rows, int64_t cols, uint32_t offset, 
 
 extern "C" {
 
-void hot_rows_encode(const void* x, int64_t dtype, int64_t rows, int64_t cols, int64_t qmax, int8_t* q, float* scale) {
-  by_dtype(dtype, x, [&](auto* t) { rows_encode(t, rows, cols, float(qmax), q, scale); });
+void hot_rows_encode(const void* x, int64_t dtype, int64_t outer, int64_t inner, int64_t outer_stride, int64_t inner_stride,
+                     int64_t cols, int64_t qmax, int8_t* q, float* scale) {
+  by_dtype(dtype, x, [&](auto* t) { rows_encode(t, outer, inner, outer_stride, inner_stride, cols, float(qmax), q, scale); });
 }
 
 void hot_derivative_encode(const void* x, int64_t dtype, int64_t rows, int64_t cols, uint32_t offset, uint8_t* packed,
