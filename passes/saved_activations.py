@@ -261,10 +261,10 @@ def _derivative_encoder(dtype: torch.dtype):
 
 
 def _order(val: torch.Tensor) -> list[int]:
-    """:func:`memory_order`, or for a view whose readers take any layout (a head of a fused qkv output)
-    the leading dimensions by descending stride, which the CPU encoder reads in place, then the rows'."""
-    leading = sorted(range(val.dim() - 1), key=lambda d: (-optimization_hint(val.stride()[d]), d))
-    return memory_order(val) or leading + [val.dim() - 1]
+    """:func:`memory_order`, or the dimensions as they are for a view whose readers take any layout
+    (the backward's readers then get the layout they were traced with: a head of a fused qkv output as
+    [batch, heads, tokens, d], whose rows the CPU encoder reads in place)."""
+    return memory_order(val) or list(range(val.dim()))
 
 
 def _encode(graph: fx.Graph, s: SavedValue, created: list[fx.Node]) -> list[fx.Node]:

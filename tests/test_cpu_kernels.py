@@ -92,8 +92,8 @@ def _qkv_heads(dtype):
 @pytest.mark.parametrize(
     "layout, in_place",
     [
-        ("heads of a fused qkv", False),  # three strides of rows: copied
-        ("tokens of those heads", True),  # the same rows in memory order (the pass's): two strides
+        ("heads of a fused qkv", True),  # three strides of rows
+        ("tokens of those heads", True),  # the same rows in memory order: two strides
         ("a column slice", True),  # one stride of rows, wider than a row
         ("a transposed matrix", False),  # a last dimension that is not contiguous: copied
     ],

@@ -14,30 +14,33 @@ inline void levels_of_row(Float16x divisor, Int16x top, const Float16x& v16, int
 
 // aten_impl.encode_rows: each row of `cols` contiguous values as int8 levels of s = max|row| / qmax (a
 // zero scale becomes 1), rounded half to even; one read of the row for its maximum, one for its
-// levels. Rows are `outer` × `inner`, the row (o, i) at x + o·outer_stride + i·inner_stride (a head's
-// query in a fused qkv projection's output, without a copy), and their codes are stored in that order.
+// levels. Rows are indexed by three leading dimensions, visited in memory order: `size[d]` rows
+// `stride[d]` values apart in x, whose codes are `row[d]` rows apart in q (a head's query in a fused
+// qkv output, [batch, heads, tokens], is read in place, a token's heads one after the other).
 template <typename T>
-void rows_encode(const T* x, int64_t outer, int64_t inner, int64_t outer_stride, int64_t inner_stride, int64_t cols,
-                 float qmax, int8_t* q, float* scale) {
+void rows_encode(const T* x, const int64_t* size, const int64_t* stride, const int64_t* row, int64_t cols, float qmax,
+                 int8_t* q, float* scale) {
   const Int16x top = Int16x{} + int32_t(qmax);
   const int64_t whole = cols / 16 * 16;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t o = 0; o < outer; ++o) {
-    for (int64_t i = 0; i < inner; ++i) {
-      const T* v = x + o * outer_stride + i * inner_stride;
-      const int64_t r = o * inner + i;
-      Float16x m = {};
-      for (int64_t c = 0; c < whole; c += 16) m = max_magnitude(m, load16(v + c));
-      if (whole < cols) m = max_magnitude(m, load16(v + whole, cols - whole));
-      const float s = scale_of(lanes_max(m), qmax);
-      scale[r] = s;
-      const Float16x divisor = Float16x{} + s;  // a division, as the reference's: ties round alike
-      int8_t* out = q + r * cols;
-      for (int64_t c = 0; c < whole; c += 16) levels_of_row(divisor, top, load16(v + c), out + c);
-      if (whole < cols) {
-        int8_t tail[16];
-        levels_of_row(divisor, top, load16(v + whole, cols - whole), tail);
-        std::memcpy(out + whole, tail, cols - whole);
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t a = 0; a < size[0]; ++a) {
+    for (int64_t b = 0; b < size[1]; ++b) {
+      for (int64_t c = 0; c < size[2]; ++c) {
+        const T* v = x + a * stride[0] + b * stride[1] + c * stride[2];
+        const int64_t r = a * row[0] + b * row[1] + c * row[2];
+        Float16x m = {};
+        for (int64_t k = 0; k < whole; k += 16) m = max_magnitude(m, load16(v + k));
+        if (whole < cols) m = max_magnitude(m, load16(v + whole, cols - whole));
+        const float s = scale_of(lanes_max(m), qmax);
+        scale[r] = s;
+        const Float16x divisor = Float16x{} + s;  // a division, as the reference's: ties round alike
+        int8_t* out = q + r * cols;
+        for (int64_t k = 0; k < whole; k += 16) levels_of_row(divisor, top, load16(v + k), out + k);
+        if (whole < cols) {
+          int8_t tail[16];
+          levels_of_row(divisor, top, load16(v + whole, cols - whole), tail);
+          std::memcpy(out + whole, tail, cols - whole);
+        }
       }
     }
   }
@@ -91,9 +94,9 @@ void derivative_encode(const T* x, int64_t rows, int64_t cols, uint32_t offset, 
 
 extern "C" {
 
-void hot_rows_encode(const void* x, int64_t dtype, int64_t outer, int64_t inner, int64_t outer_stride, int64_t inner_stride,
+void hot_rows_encode(const void* x, int64_t dtype, const int64_t* size, const int64_t* stride, const int64_t* row,
                      int64_t cols, int64_t qmax, int8_t* q, float* scale) {
-  by_dtype(dtype, x, [&](auto* t) { rows_encode(t, outer, inner, outer_stride, inner_stride, cols, float(qmax), q, scale); });
+  by_dtype(dtype, x, [&](auto* t) { rows_encode(t, size, stride, row, cols, float(qmax), q, scale); });
 }
 
 void hot_derivative_encode(const void* x, int64_t dtype, int64_t rows, int64_t cols, uint32_t offset, uint8_t* packed,

@@ -53,7 +53,7 @@ _SIGNATURES = {
     "hot_cols_stats": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P),
     "hot_cols_quantize": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I, _U, _P),
     "hot_dequantize": (_P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
-    "hot_rows_encode": (_P, _I, _I, _I, _I, _I, _I, _I, _P, _P),
+    "hot_rows_encode": (_P, _I, _P, _P, _P, _I, _I, _P, _P),
     "hot_derivative_encode": (_P, _I, _I, _I, _U, _P, _P, _P),
 }
 
@@ -266,36 +266,39 @@ def _rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return x.contiguous(), x.numel() // max(cols, 1), cols
 
 
-def _row_groups(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
-    """``x``'s rows along its last dimension as ``outer × inner`` rows at two strides, in ``x``'s
-    order: ``(x, outer, inner, outer_stride, inner_stride)``. A view of rows whole in memory (a head's
+def _row_groups(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """``x``'s rows along its last dimension as three leading dimensions ``(size, stride in x, stride
+    in rows of x's order)``, by descending stride in ``x``. A view of rows whole in memory (a head's
     query inside a fused qkv output) stays a view; other layouts become a contiguous copy."""
     if x.dim() and (x.stride(-1) == 1 or x.shape[-1] == 1):
-        folded: list[tuple[int, int]] = []
-        for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        folded: list[list[int]] = []  # [size, stride, rows per step], outermost first
+        rows = 1
+        for size, stride in reversed(list(zip(x.shape[:-1], x.stride()[:-1]))):
             if size == 1:
                 continue
-            if folded and folded[-1][1] == stride * size:
-                folded[-1] = (folded[-1][0] * size, stride)
+            if folded and stride == folded[0][1] * folded[0][0] and rows == folded[0][2] * folded[0][0]:
+                folded[0][0] *= size
             else:
-                folded.append((size, stride))
-        if len(folded) <= 2:
-            (outer, outer_stride), (inner, inner_stride) = [(1, 0)] * (2 - len(folded)) + folded
-            return x, outer, inner, outer_stride, inner_stride
+                folded.insert(0, [size, stride, rows])
+            rows *= size
+        if len(folded) <= 3:
+            dims = sorted(folded, key=lambda d: -d[1]) + [[1, 0, 0]] * (3 - len(folded))
+            return x, [tuple(d) for d in dims]
     x, rows, cols = _rows_of(x)
-    return x, 1, rows, 0, cols
+    return x, [(rows, cols, 1), (1, 0, 0), (1, 0, 0)]
 
 
 def encode_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`hot_compile.runtime.aten_impl.encode_rows`: ``x: [..., C]`` as int8 levels ``[..., C]``
     (round half to even) of one float32 scale a row, ``max|row| / qmax`` (``[..., 1]``)."""
     lib, code = _library(), _dtype_code(x)
-    x, outer, inner, outer_stride, inner_stride = _row_groups(x)
+    x, dims = _row_groups(x)
     cols = x.shape[-1] if x.dim() else 1
     q = torch.empty(x.shape, dtype=torch.int8)
     scale = torch.empty(*x.shape[:-1], 1)
     if x.numel():
-        lib.hot_rows_encode(x.data_ptr(), code, outer, inner, outer_stride, inner_stride, cols, qmax(bits), q.data_ptr(), scale.data_ptr())
+        size, stride, row = ((ctypes.c_int64 * 3)(*column) for column in zip(*dims))
+        lib.hot_rows_encode(x.data_ptr(), code, size, stride, row, cols, qmax(bits), q.data_ptr(), scale.data_ptr())
     return q, scale
 
 
