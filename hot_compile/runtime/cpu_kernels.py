@@ -276,7 +276,7 @@ def _row_groups(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int
         for size, stride in reversed(list(zip(x.shape[:-1], x.stride()[:-1]))):
             if size == 1:
                 continue
-            if folded and stride == folded[0][1] * folded[0][0] and rows == folded[0][2] * folded[0][0]:
+            if folded and stride == folded[0][1] * folded[0][0]:
                 folded[0][0] *= size
             else:
                 folded.insert(0, [size, stride, rows])
