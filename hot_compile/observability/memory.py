@@ -37,7 +37,6 @@ def saved_for_backward_bytes(run: Callable[[], object], exclude: Iterable[torch.
     return sum(seen.values())
 
 
-
 def peak_live_bytes(run: Callable[[], object]) -> int:
     """The most bytes of CPU tensors that ``run()`` allocates alive at one time.
 
