@@ -42,12 +42,7 @@ float load_hadamard_row(const T* x, int64_t n, int64_t stride, int64_t width, fl
   }
   std::fill(row + c, row + width, 0.0f);
   m0 = m1 > m0 ? m1 : m0;
-  float amax = 0.0f;
-  for (int i = 0; i < 16; ++i) {
-    if (nan[i]) return std::nanf("");
-    amax = std::max(amax, m0[i]);
-  }
-  return amax;
+  return lanes_max(nan ? Float16x{} + std::nanf("") : m0);
 }
 
 template <typename T>
