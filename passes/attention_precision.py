@@ -1,9 +1,10 @@
 """Attention backward in float32 where the device's half-precision kernel is the slower one.
 
 Under bf16 autocast, ``scaled_dot_product_attention`` on the CPU runs the flash-attention kernels in
-bf16, and the backward (``_scaled_dot_product_flash_attention_for_cpu_backward``) is the slow one: on
-Zen 4 it takes 1.3–1.8× as long as the float32 kernel with the casts of its inputs and outputs around
-it (BENCHMARKS.md). Where the device profile says so
+bf16, and the backward (``_scaled_dot_product_flash_attention_for_cpu_backward``) is the slow one: it
+takes 1.3–1.8× as long as the float32 kernel with the casts of its inputs and outputs around it on
+Zen 4, and 1.3× (ViT-S's heads) to 3–4× (MiniLM's) on Sapphire Rapids, AMX's bf16 tiles
+notwithstanding (BENCHMARKS.md). Where the device profile says so
 (:attr:`~hot_compile.runtime.devices.DeviceProfile.fp32_attention_backward`), the backward runs in
 float32 on upcast inputs and its gradients are cast back: the same function, computed more exactly.
 The forward is left as it is (its bf16 kernel is as fast as float32's).

@@ -111,14 +111,21 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
         DeviceProfile(
+            # AMX: bf16 products on AMX tiles; torch._int_mm runs oneDNN's gemm API, on VNNI, not AMX,
+            # so int8 products are no faster than bf16 ones (medians of three calibrations; this VM's
+            # AMX rate moved between 0.4 and 1.2 TFLOP/s from one second to the next).
             name="cpu-sapphire-rapids-2core",
-            matmul_flops={"float32": 3.5e11, "bfloat16": 1.8e12, "float16": 3.0e11},
-            int8_ops=1.7e12,
-            read_bw=4.0e10,
+            matmul_flops={"float32": 2.4e11, "bfloat16": 1.16e12, "float16": 2.6e11},
+            int8_ops=1.0e12,
+            read_bw=4.6e10,
+            # A fresh buffer above glibc's 32 MiB mmap threshold faults on every page: 3.5-3.9 GB/s
+            # against 40 below it. The costly buffers of a step (MLP activations, int32 products) are
+            # above it.
             write_bw=4.0e9,
-            transform_rate=1.6e9,
-            kernel_overhead=2e-5,
-            op_overhead=1e-4,  # not measured on this class: Zen 4's
+            transform_rate=1.76e9,
+            kernel_overhead=4.3e-6,
+            op_overhead=1.5e-4,
+            fp32_attention_backward=True,  # bf16 1.3x slower at ViT-S's attention shapes, 3-4x at MiniLM's
         ),
         DeviceProfile(
             name="cpu-zen4-2core",  # no AMX: int8 on AVX512-VNNI, no native float16 matmul
