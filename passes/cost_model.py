@@ -115,23 +115,24 @@ def grad_weight_cost(
 
 
 def saved_compression_cost(
-    numel: int, rows: int, elem_bytes: int, code_bits: int, scales: int, profile: DeviceProfile
+    numel: int, rows: int, elem_bytes: int, code_bits: int, scales: int, profile: DeviceProfile, computed: bool = False
 ) -> SiteCost:
     """A saved activation of ``numel`` values in ``rows`` rows, kept as ``code_bits``-bit codes with
     ``scales`` float32 numbers a row (:mod:`~hot_compile.passes.saved_activations`) instead of ``b``
-    bytes a value; ``p = numel·code_bits/8 + 4·scales·rows`` bytes.
+    bytes a value; ``p = numel·code_bits/8 + 4·scales·rows`` bytes. ``computed``: the coded value is
+    one the forward computes for the code alone (a derivative ``f(x)`` saved in place of ``x``).
 
     original = 0: the tensor is written in the forward and read in the backward either way;
     coded = the forward's row reductions and rounding ``2·numel·b / R + p / W`` + the backward's
-    decoding ``p / R + numel·b / W`` + ``2c`` + ``o`` (the encoder is one of HOT's ops), saving
-    ``numel·b − p`` bytes.
+    decoding ``p / R + numel·b / W`` + ``2c`` + ``o`` (the encoder is one of HOT's ops), plus the
+    computed value's write ``numel·b / W``; saving ``numel·b − p`` bytes.
     """
     packed = numel * code_bits // 8 + 4 * scales * rows
     hot = (
         2 * numel * elem_bytes / profile.read_bw
         + packed / profile.write_bw
         + packed / profile.read_bw
-        + numel * elem_bytes / profile.write_bw
+        + (1 + computed) * numel * elem_bytes / profile.write_bw
         + 2 * profile.kernel_overhead
         + profile.op_overhead
     )

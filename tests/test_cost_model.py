@@ -171,6 +171,16 @@ def test_each_hot_op_pays_the_op_overhead():
     assert _gx(*shape).original_s == _gx(*shape, free).original_s
 
 
+def test_a_derivative_code_pays_for_writing_the_derivative():
+    """A derivative code costs the forward one more buffer than a row code of a value the forward
+    writes anyway: the derivative itself, ``numel·b`` bytes at the write rate."""
+    numel, rows, elem_bytes = 6272 * 3072, 6272, 2
+    row_code = cost_model.saved_compression_cost(numel, rows, elem_bytes, 4, 2, CPU)
+    derivative = cost_model.saved_compression_cost(numel, rows, elem_bytes, 4, 2, CPU, computed=True)
+    assert derivative.hot_s - row_code.hot_s == pytest.approx(numel * elem_bytes / CPU.write_bw)
+    assert derivative.saved_bytes_after == row_code.saved_bytes_after
+
+
 def test_op_overhead_is_the_least_squares_fit_of_step_residuals(monkeypatch):
     """With measured steps that exceed the estimates at o = 0 by 4·o₀ per layer (4 ops: the forward,
     HQ, HLA and the compression), the fit returns o₀."""
