@@ -350,8 +350,9 @@ def compression_cost(s: SavedValue, profile) -> SiteCost:
     val = s.forward.meta["val"]
     numel = optimization_hint(val.numel())
     rows = numel // max(optimization_hint(val.shape[-1]), 1) if val.dim() else 1
-    code_bits, scales = (ROW_BITS, 1) if s.factor is None else (DERIVATIVE_BITS, 2)
-    return saved_compression_cost(numel, rows, val.element_size(), code_bits, scales, profile, computed=s.factor is not None)
+    derivative = s.factor is not None
+    code_bits, scales = (DERIVATIVE_BITS, 2) if derivative else (ROW_BITS, 1)
+    return saved_compression_cost(numel, rows, val.element_size(), code_bits, scales, profile, computed=derivative)
 
 
 def keep_over_budget(costed: list[tuple[SavedValue, SiteCost]], budget_s: float, why: str) -> None:
