@@ -198,3 +198,23 @@ def test_peak_live_bytes_counts_what_a_run_holds_at_once():
     del before
     two_mib = 2 * 4 * (1 << 18)
     assert two_mib <= peak_live_bytes(run) < two_mib + 64  # and a few scalars (the sum)
+
+
+def test_steps_are_taken_in_turn_with_no_runner_keeping_one_place():
+    order = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def step(self, index):
+            order.append(("warmup", self.name))
+
+        def timed_step(self, index):
+            order.append((index, self.name))
+
+    runners = [Recorder(name) for name in "abc"]
+    bench_cases.take_steps(runners, warmup=1, repeats=3)
+    assert order[:3] == [("warmup", "a"), ("warmup", "b"), ("warmup", "c")]
+    rounds = [[name for i, name in order[3:] if i == k] for k in range(3)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]

@@ -2,7 +2,8 @@
 
 Runs of ``tools/bench.py`` minutes apart differ by more than a few percent on a shared VM. Here each
 hot variant is compiled twice, at the defaults and with ``--options`` on top, and the four runners
-take their steps in turn, so that both sides of each ratio meet the same machine.
+take their steps in turn, in a rotating order (:func:`hot_compile.harness.bench_cases.take_steps`), so
+that both sides of each ratio meet the same machine.
 
     python tools/option_cost.py --model vit --options '{"compress_saved": false}' --out benchmarks/DIR
 """
@@ -40,12 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {(v, side): bench_cases.Runner(v, case, fresh_cache=False, options=o) for v in variants for side, o in sides.items()}
     for runner in runners.values():
         runner.first_step()
-    for i in range(WARMUP):
-        for runner in runners.values():
-            runner.step(i + 1)
-    for i in range(STEPS):
-        for runner in runners.values():
-            runner.timed_step(i)
+    bench_cases.take_steps(list(runners.values()), WARMUP, STEPS)
     ms = {f"{v}, {side}": statistics.median(r.fwd_bwd) * 1e3 for (v, side), r in runners.items()}
     command = "python tools/option_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"`{command}`", "", f"| {args.model} | defaults ms | with {json.dumps(args.options)} ms | with / defaults |", "|---|---|---|---|"]

@@ -40,7 +40,7 @@ import torch
 
 from ..config import POLICIES
 from ..device_calibration import median_seconds
-from .bench_cases import MODELS, PROBE_SIZE, TINY, VARIANTS, BenchSpec, Case, Runner, build_case, reference_grads, variant_unavailable
+from .bench_cases import MODELS, PROBE_SIZE, TINY, VARIANTS, BenchSpec, Case, Runner, build_case, reference_grads, take_steps, variant_unavailable
 from .bench_report import SECTION_TITLE, markdown, merge, update_section, write_outputs
 
 # --------------------------------------------------------------------------------------------- run
@@ -116,12 +116,7 @@ def run_case(case: Case, spec: BenchSpec, log: Callable[[str], None]) -> list[di
         runner.first_step()
         log(f"  {variant}: first step (compile) {runner.first_step_s:.1f} s")
         runners.append(runner)
-    for i in range(spec.warmup):
-        for r in runners:
-            r.step(i + 1)
-    for i in range(spec.repeats):
-        for j in range(len(runners)):
-            runners[(i + j) % len(runners)].timed_step(i)
+    take_steps(runners, spec.warmup, spec.repeats)
     reference = reference_grads(case)
     rows = []
     for r in runners:

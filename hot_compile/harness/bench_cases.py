@@ -303,6 +303,18 @@ class Runner:
         return math.sqrt(num / den) if den else math.nan, worst
 
 
+def take_steps(runners: list[Runner], warmup: int, repeats: int) -> None:
+    """``warmup`` untimed then ``repeats`` timed steps of every runner, in turn, the order rotating by one
+    each round: on a shared VM the machine's speed drifts within seconds, and a step slows the one
+    after it (a clock lowered by AMX or AVX-512 work), so no runner keeps one place in the order."""
+    for i in range(warmup):
+        for r in runners:
+            r.step(i + 1)
+    for i in range(repeats):
+        for j in range(len(runners)):
+            runners[(i + j) % len(runners)].timed_step(i)
+
+
 def reference_grads(case: Case) -> dict[str, torch.Tensor]:
     model = case.build().double()
     x, gy = case.inputs[0]
