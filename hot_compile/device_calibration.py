@@ -152,10 +152,11 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
 
     big = torch.randn(4096, 4096)
     read_bw = big.numel() * 4 / median_seconds(lambda: big.sum(), repeats)
-    # A fresh activation-sized (16 MiB) output: a 64 MiB one always comes from mmap and faults on
-    # every page, which the buffers of a compiled step mostly do not.
+    # A new 16 MiB output, which the heap reuses; a 64 MiB one is above the mmap threshold, a fresh
+    # mapping each time whose every page faults.
     act = torch.randn(2048, 2048)
     write_bw = act.numel() * 4 / median_seconds(lambda: torch.empty_like(act).fill_(1.0), repeats)
+    fresh_write_bw = big.numel() * 4 / median_seconds(lambda: torch.empty_like(big).fill_(1.0), repeats)
     tiny = torch.randn(4, 4)
     kernel_overhead = median_seconds(lambda: tiny.add(1), 50)
     # ViT-S's attention at batch 8: the bf16 flash-attention backward against float32 with the casts.
@@ -173,6 +174,7 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         int8_ops=int8_ops,
         read_bw=read_bw,
         write_bw=write_bw,
+        fresh_write_bw=fresh_write_bw,
         transform_rate=1.0,  # fitted next, from the rates above
         kernel_overhead=kernel_overhead,
         op_overhead=0.0,  # fitted last, on the other rates

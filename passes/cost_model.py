@@ -5,7 +5,9 @@ at a graph. Notation: a linear ``y = x Wᵀ`` with ``x: [L, K]``, ``W: [N, K]``;
 element of the float dtype; ``Np = 16·⌈N/16⌉``; ``Lr`` the projected token count at rank r, at most
 ``⌊r·L/16⌋`` (:func:`~hot_compile.runtime.hadamard.lowpass_rows`).
 Profile rates: ``F`` float matmul FLOP/s of the dtype, ``I`` integer OP/s at the site's bit width
-(:meth:`~hot_compile.runtime.devices.DeviceProfile.int8_rate`), ``R``/``W`` read/write bytes/s,
+(:meth:`~hot_compile.runtime.devices.DeviceProfile.int8_rate`), ``R`` read bytes/s, ``W`` write bytes/s
+of a new buffer of that size (:meth:`~hot_compile.runtime.devices.DeviceProfile.write_seconds`: slower
+above glibc's mmap threshold on CPUs, where each page of a fresh mapping faults),
 ``T`` fused transform+quantize outputs/s, ``c`` seconds per kernel call, ``o`` seconds per HOT op
 call beyond its kernels (dispatch, and the cold caches it meets in a step).
 """
@@ -40,7 +42,7 @@ class SiteCost:
 
 def matmul_time(m: int, k: int, n: int, elem_bytes: int, profile: DeviceProfile, flops: float) -> float:
     """``2·m·k·n / F + m·n·b / W + c``: a float ``[m, k] @ [k, n]`` writing a fresh output."""
-    return 2 * m * k * n / flops + m * n * elem_bytes / profile.write_bw + profile.kernel_overhead
+    return 2 * m * k * n / flops + profile.write_seconds(m * n * elem_bytes) + profile.kernel_overhead
 
 
 def quantize_time(rows: int, cols: int, out_elems: int, elem_bytes: int, profile: DeviceProfile) -> float:
@@ -49,19 +51,19 @@ def quantize_time(rows: int, cols: int, out_elems: int, elem_bytes: int, profile
     return (
         2 * rows * cols * elem_bytes / profile.read_bw
         + out_elems / profile.transform_rate
-        + out_elems / profile.write_bw
+        + profile.write_seconds(out_elems)
         + 2 * profile.kernel_overhead
     )
 
 
 def int_matmul_time(m: int, k: int, n: int, out_elem_bytes: int, profile: DeviceProfile, bits: int) -> float:
-    """``2·m·k·n / I`` for the int32 product of ``bits``-bit operands, then dequantize:
-    ``m·n·4 / R + m·n·b_out / W``, 2 calls."""
+    """``2·m·k·n / I`` for the int32 product of ``bits``-bit operands, written ``m·n·4 / W`` in row
+    chunks of a few MiB that the allocator reuses, then dequantize: ``m·n·4 / R + m·n·b_out / W``, 2 calls."""
     return (
         2 * m * k * n / profile.int8_rate(bits)
         + m * n * 4 / profile.write_bw
         + m * n * 4 / profile.read_bw
-        + m * n * out_elem_bytes / profile.write_bw
+        + profile.write_seconds(m * n * out_elem_bytes)
         + 2 * profile.kernel_overhead
     )
 
@@ -130,9 +132,9 @@ def saved_compression_cost(
     packed = numel * code_bits // 8 + 4 * scales * rows
     hot = (
         2 * numel * elem_bytes / profile.read_bw
-        + packed / profile.write_bw
+        + profile.write_seconds(packed)
         + packed / profile.read_bw
-        + (1 + computed) * numel * elem_bytes / profile.write_bw
+        + (1 + computed) * profile.write_seconds(numel * elem_bytes)
         + 2 * profile.kernel_overhead
         + profile.op_overhead
     )
@@ -157,7 +159,7 @@ def conv_windows(t: int, k: int, elem_bytes: int) -> int:
 
 def _tokens_major(t: int, n: int, elem_bytes: int, profile: DeviceProfile) -> float:
     """``g`` from ``[B, N, Ho, Wo]`` to ``[T, N]``: ``T·N·b/R + T·N·b/W + c``."""
-    return t * n * elem_bytes / profile.read_bw + t * n * elem_bytes / profile.write_bw + profile.kernel_overhead
+    return t * n * elem_bytes / profile.read_bw + profile.write_seconds(t * n * elem_bytes) + profile.kernel_overhead
 
 
 def conv_grad_input_cost(
@@ -180,12 +182,12 @@ def conv_grad_input_cost(
     fold = (
         t * k * (elem_bytes + 8) / profile.read_bw
         + offsets * windows * profile.kernel_overhead
-        + in_elems * 4 / profile.write_bw
+        + profile.write_seconds(in_elems * 4)
         + in_elems * 4 / profile.read_bw
-        + in_elems * elem_bytes / profile.write_bw
+        + profile.write_seconds(in_elems * elem_bytes)
         + 2 * profile.kernel_overhead
     )
-    original = 2 * t * n * k / flops + in_elems * elem_bytes / profile.write_bw + profile.kernel_overhead
+    original = 2 * t * n * k / flops + profile.write_seconds(in_elems * elem_bytes) + profile.kernel_overhead
     return SiteCost(original, hq + later_windows + _tokens_major(t, n, elem_bytes, profile) + fold)
 
 
@@ -213,8 +215,9 @@ def conv_grad_weight_cost(
     """
     in_elems = math.prod(in_shape)
     windows = conv_windows(t, k, 4)
-    compress = 2 * in_elems * elem_bytes / profile.read_bw + in_elems / profile.write_bw + profile.kernel_overhead
-    pad = in_elems / profile.read_bw + in_elems / profile.write_bw + profile.kernel_overhead
+    compress = 2 * in_elems * elem_bytes / profile.read_bw + profile.write_seconds(in_elems) + profile.kernel_overhead
+    pad = in_elems / profile.read_bw + profile.write_seconds(in_elems) + profile.kernel_overhead
+    # Each window's patches are a buffer of at most WINDOW_BYTES, which the allocator reuses.
     gather = t * k * 6 / profile.read_bw + t * k * (5 + elem_bytes) / profile.write_bw + 3 * windows * profile.kernel_overhead
     totals = windows * n * k * 8 / profile.read_bw + (windows - 1) * 2 * profile.op_overhead
     hla = grad_weight_cost(t, n, k, rank, elem_bytes, flops, profile, bits)

@@ -21,6 +21,9 @@ from .int8_gemm import u8s8_exact
 from .quant import MAX_BITS, MIN_BITS, qmax
 
 DTYPES = ("float32", "bfloat16", "float16")
+# glibc's largest mmap threshold on 64-bit systems: a CPU buffer above it is a fresh mapping on every
+# allocation, whose pages fault on first touch; below it, freed memory is reused from the heap.
+MMAP_THRESHOLD_BYTES = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +36,9 @@ class DeviceProfile:
         int8_ops: rate of the integer product HOT runs on INT8 operands (``ops.int8_matmul``:
             ``torch._int_mm``, or a float GEMM on CPUs without VNNI/AMX), OP/s (2·M·N·K per product).
         read_bw: bytes/s streamed into an elementwise kernel.
-        write_bw: bytes/s written to a freshly allocated output (CPU: includes first-touch page faults).
+        write_bw: bytes/s written to a newly allocated output of at most ``MMAP_THRESHOLD_BYTES``.
+        fresh_write_bw: bytes/s written to a larger one, where the device pays for it apart (CPUs under
+            glibc: a fresh mapping, each page faulting on first touch). None: ``write_bw``.
         transform_rate: outputs/s of a fused block-16 transform + stochastic int8 quantization kernel
             (16 multiply-adds, a hash and a rounding per output).
         kernel_overhead: seconds per kernel or extern call, whatever its size.
@@ -56,20 +61,26 @@ class DeviceProfile:
     op_overhead: float
     narrow_int8_ops: float | None = None
     fp32_attention_backward: bool = False
+    fresh_write_bw: float | None = None
 
     def __post_init__(self) -> None:
         missing = set(DTYPES) - set(self.matmul_flops)
         if missing:
             raise ValueError(f"DeviceProfile {self.name!r}: matmul_flops lacks {sorted(missing)}")
         numbers = [*self.matmul_flops.values(), self.int8_ops, self.read_bw, self.write_bw, self.transform_rate]
-        if self.narrow_int8_ops is not None:
-            numbers.append(self.narrow_int8_ops)
+        numbers += [v for v in (self.narrow_int8_ops, self.fresh_write_bw) if v is not None]
         if any(not (isinstance(v, (int, float)) and v > 0) for v in numbers) or min(self.kernel_overhead, self.op_overhead) < 0:
             raise ValueError(f"DeviceProfile {self.name!r}: rates must be positive numbers")
         object.__setattr__(self, "matmul_flops", dict(sorted(self.matmul_flops.items())))
 
     def matmul_rate(self, dtype: torch.dtype) -> float:
         return self.matmul_flops[str(dtype).removeprefix("torch.")]
+
+    def write_seconds(self, nbytes: float) -> float:
+        """Seconds to write a new buffer of ``nbytes``: at ``fresh_write_bw`` above
+        ``MMAP_THRESHOLD_BYTES`` where the profile has one, else at ``write_bw``."""
+        large = self.fresh_write_bw is not None and nbytes > MMAP_THRESHOLD_BYTES
+        return nbytes / (self.fresh_write_bw if large else self.write_bw)
 
     def int8_rate(self, bits: int) -> float:
         """OP/s of the integer product of two ``bits``-bit operands."""
@@ -118,10 +129,8 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             matmul_flops={"float32": 2.4e11, "bfloat16": 1.16e12, "float16": 2.6e11},
             int8_ops=1.0e12,
             read_bw=4.6e10,
-            # A fresh buffer above glibc's 32 MiB mmap threshold faults on every page: 3.5-3.9 GB/s
-            # against 40 below it. The costly buffers of a step (MLP activations, int32 products) are
-            # above it.
-            write_bw=4.0e9,
+            write_bw=4.0e10,  # 32-47 GB/s into new 4 and 16 MiB buffers
+            fresh_write_bw=3.7e9,  # 3.3-3.9 GB/s into new 38 and 77 MiB ones: a page fault per page
             transform_rate=1.76e9,
             kernel_overhead=4.3e-6,
             op_overhead=1.5e-4,
