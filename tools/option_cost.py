@@ -16,7 +16,7 @@ import pathlib
 import statistics
 import sys
 
-WARMUP, STEPS = 3, 10
+WARMUP = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=bench_cases.MODELS, required=True)
     parser.add_argument("--options", type=json.loads, required=True, help="HotConfig settings of the other side, as JSON")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per runner (default 10)")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {(v, side): bench_cases.Runner(v, case, fresh_cache=False, options=o) for v in variants for side, o in sides.items()}
     for runner in runners.values():
         runner.first_step()
-    bench_cases.take_steps(list(runners.values()), WARMUP, STEPS)
+    bench_cases.take_steps(list(runners.values()), WARMUP, args.steps)
     ms = {f"{v}, {side}": statistics.median(r.fwd_bwd) * 1e3 for (v, side), r in runners.items()}
     command = "python tools/option_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [f"`{command}`", "", f"| {args.model} | defaults ms | with {json.dumps(args.options)} ms | with / defaults |", "|---|---|---|---|"]
