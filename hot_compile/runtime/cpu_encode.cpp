@@ -4,16 +4,16 @@
 
 namespace {
 
-// The int8 levels of 16 values at scale `divisor`, rounded half to even, into out[0..16).
-inline void levels_of_row(Float16x divisor, Int16x top, const Float16x& v16, int8_t* out) {
-  Int16x l = nearest_levels(v16 / divisor, top);
+// The int8 levels of 16 values times `inverse` (1/s), rounded half to even, into out[0..16).
+inline void levels_of_row(Float16x inverse, Int16x top, const Float16x& v16, int8_t* out) {
+  Int16x l = nearest_levels(v16 * inverse, top);
   l = l > -top ? l : -top;
   const Int8x16 levels = __builtin_convertvector(l, Int8x16);
   std::memcpy(out, &levels, 16);
 }
 
-// aten_impl.encode_rows: each row of `cols` contiguous values as int8 levels of s = max|row| / qmax (a
-// zero scale becomes 1), rounded half to even; one read of the row for its maximum, one for its
+// aten_impl.encode_rows: each row of `cols` contiguous values v as int8 levels v·(1/s), s = max|row| / qmax
+// (a zero scale becomes 1), rounded half to even; one read of the row for its maximum, one for its
 // levels. Rows are indexed by three leading dimensions, visited in memory order: `size[d]` rows
 // `stride[d]` values apart in x, whose codes are `row[d]` rows apart in q (a head's query in a fused
 // qkv output, [batch, heads, tokens], is read in place, a token's heads one after the other).
@@ -33,12 +33,13 @@ void rows_encode(const T* x, const int64_t* size, const int64_t* stride, const i
         if (whole < cols) m = max_magnitude(m, load16(v + whole, cols - whole));
         const float s = scale_of(lanes_max(m), qmax);
         scale[r] = s;
-        const Float16x divisor = Float16x{} + s;  // a division, as the reference's: ties round alike
+        // Times 1/s, as the reference (quant.quantize_nearest): a division per vector took a third of the time.
+        const Float16x inverse = Float16x{} + 1.0f / s;
         int8_t* out = q + r * cols;
-        for (int64_t k = 0; k < whole; k += 16) levels_of_row(divisor, top, load16(v + k), out + k);
+        for (int64_t k = 0; k < whole; k += 16) levels_of_row(inverse, top, load16(v + k), out + k);
         if (whole < cols) {
           int8_t tail[16];
-          levels_of_row(divisor, top, load16(v + whole, cols - whole), tail);
+          levels_of_row(inverse, top, load16(v + whole, cols - whole), tail);
           std::memcpy(out + whole, tail, cols - whole);
         }
       }

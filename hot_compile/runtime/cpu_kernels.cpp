@@ -19,30 +19,24 @@ void load_row(const T* x, int64_t n, int64_t stride, int64_t padded, float* row)
 // into `row`, in one sweep with the values in registers; returns max|v| (NaN if any is NaN).
 template <typename T>
 float load_hadamard_row(const T* x, int64_t n, int64_t stride, int64_t width, float* row) {
-  // Two running maxima, and NaNs apart: a chain of compare-and-blend per vector would bound the loop.
+  // Two running maxima: one would chain each vector's max to the last.
   Float16x m0 = {}, m1 = {};
-  Int16x nan = {};
   int64_t c = 0;
   for (; stride == 1 && c + 32 <= n; c += 32) {
     const Float16x v0 = hadamard16(load16(x + c)), v1 = hadamard16(load16(x + c + 16));
     std::memcpy(row + c, &v0, sizeof v0);
     std::memcpy(row + c + 16, &v1, sizeof v1);
-    const Float16x a0 = magnitude(v0), a1 = magnitude(v1);
-    m0 = a0 > m0 ? a0 : m0;
-    m1 = a1 > m1 ? a1 : m1;
-    nan |= (a0 != a0) | (a1 != a1);
+    m0 = max_magnitude(m0, v0);
+    m1 = max_magnitude(m1, v1);
   }
   for (; c < n; c += 16) {
     const bool whole = stride == 1 && c + 16 <= n;
     const Float16x v = hadamard16(whole ? load16(x + c) : load16(x + c * stride, std::min<int64_t>(16, n - c), stride));
     std::memcpy(row + c, &v, sizeof v);
-    const Float16x a = magnitude(v);
-    m0 = a > m0 ? a : m0;
-    nan |= a != a;
+    m0 = max_magnitude(m0, v);
   }
   std::fill(row + c, row + width, 0.0f);
-  m0 = m1 > m0 ? m1 : m0;
-  return lanes_max(nan ? Float16x{} + std::nanf("") : m0);
+  return lanes_max(max_magnitude(m0, m1));
 }
 
 template <typename T>

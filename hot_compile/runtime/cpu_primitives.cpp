@@ -223,10 +223,12 @@ inline Float16x hadamard16(Float16x x) {
                    Float16x{1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1});
 }
 
-// Lane-wise max|v| into m; a NaN wins.
+// Lane-wise max|v| into m (magnitudes, from zero); a NaN wins. By the bits, as integers: a
+// non-negative float orders as its bit pattern does, and a NaN's lies above Inf's, so one integer
+// max does what a float compare, a NaN test and a blend do.
 inline Float16x max_magnitude(Float16x m, Float16x v) {
-  const Float16x a = magnitude(v);
-  return ((a > m) | (a != a)) ? a : m;
+  const Int16x a = (Int16x)v & 0x7fffffff, b = (Int16x)m;
+  return (Float16x)(a > b ? a : b);
 }
 
 // The largest of lane-wise maxima that max_magnitude gathered, NaN if a lane is: a tree of shuffles,

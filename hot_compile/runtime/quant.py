@@ -118,12 +118,13 @@ def quantize_stochastic(
 
 
 def quantize_nearest(v: torch.Tensor, bits: int, *, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest: ``s = max|v| / qmax``; ``q = round(v / s)``; scales as in
-    :func:`quantize_stochastic`."""
+    """Round-to-nearest: ``s = max|v| / qmax``; ``q = round(v · (1/s))``, the reciprocal's product
+    as HOT's CPU kernels take it (a division per value would be the slowest instruction of their
+    loops); scales as in :func:`quantize_stochastic`."""
     qm = qmax(bits)
     v = v.float()
     scale = guard_scale(_amax(v.abs(), dim) / qm)
-    return torch.round(v / scale).clamp(-qm, qm).to(torch.int8), scale
+    return torch.round(v * scale.reciprocal()).clamp(-qm, qm).to(torch.int8), scale
 
 
 def sawb_clip(v: torch.Tensor) -> torch.Tensor:
