@@ -8,10 +8,12 @@ tensors the forward hands the backward. Each float intermediate becomes one of t
 
 * **a 4-bit derivative** (after Few-Bit Backward, Novikov et al., ICML 2023): where the backward reads
   ``x`` only through one pointwise function ``f(x)`` that multiplies a gradient (GELU's and SiLU's
-  derivatives, as Inductor's decomposition writes them), the forward computes ``f(x)`` and saves it
-  in 4 bits, two codes a byte, over each row's range with stochastic rounding
-  (:func:`~hot_compile.runtime.quant.quantize_range_stochastic`): unbiased, every error below one
-  step ``(max f − min f) / 15`` of its row;
+  derivatives, as Inductor's decomposition writes them), the forward computes ``f(x)`` (at most as
+  wide as bf16: :func:`derivative_dtype`) and saves it in 4 bits, two codes a byte, over each row's
+  range with stochastic rounding
+  (:func:`~hot_compile.runtime.quant.quantize_range_stochastic`): unbiased for that rounding of
+  ``f(x)``, every error below one step ``(max f − min f) / 14`` of its row plus the rounding's
+  2⁻⁹ of ``|f|``;
 * **int8 rows** otherwise: one float32 scale per row of at least :data:`MIN_ROW` values, round to
   nearest (``s = max|row| / 127``), dequantized where the backward first reads it; every error is at
   most half a level, ``max|row| / 254``.
@@ -248,13 +250,21 @@ def _encoder_rows(order: list[int]):
     return lambda x: ops.encode_rows(x.permute(order), ROW_BITS)
 
 
+def derivative_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the forward writes a derivative ``f(x)`` in for its code, ``x`` being of ``dtype``:
+    bf16 for float32 (and under autocast, where GELU's derivative is computed in float32 from a bf16
+    input), else ``dtype``. Its rounding, at most 2⁻⁹ of ``|f|``, is a few percent of a 4-bit step
+    (``(max f − min f) / 14``), and it halves the buffer the forward writes and the encoder reads:
+    on a CPU a float32 one above glibc's mmap threshold faults on every page (a GELU of ViT-S's
+    MLP block, 39 MB, takes it below)."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
 def _derivative_encoder(dtype: torch.dtype):
-    # f(x) in x's dtype where that is narrower: under autocast GELU's derivative is computed in
-    # float32 from a bf16 input, and its bf16 rounding (at most 2⁻⁹ of |f|, a few percent of a 4-bit
-    # step) halves the buffer the forward writes and the encoder reads.
     def encode(fx_value: torch.Tensor):
-        if dtype.itemsize < fx_value.dtype.itemsize:
-            fx_value = fx_value.to(dtype)
+        code_dtype = derivative_dtype(dtype)
+        if code_dtype.itemsize < fx_value.dtype.itemsize:
+            fx_value = fx_value.to(code_dtype)
         return ops.encode_derivative(fx_value, ops.draw_seed(fx_value), DERIVATIVE_BITS)
 
     return encode
@@ -350,9 +360,10 @@ def compression_cost(s: SavedValue, profile) -> SiteCost:
     val = s.forward.meta["val"]
     numel = optimization_hint(val.numel())
     rows = numel // max(optimization_hint(val.shape[-1]), 1) if val.dim() else 1
-    derivative = s.factor is not None
-    code_bits, scales = (DERIVATIVE_BITS, 2) if derivative else (ROW_BITS, 1)
-    return saved_compression_cost(numel, rows, val.element_size(), code_bits, scales, profile, computed=derivative)
+    if s.factor is None:
+        return saved_compression_cost(numel, rows, val.element_size(), ROW_BITS, 1, profile)
+    computed_bytes = derivative_dtype(val.dtype).itemsize
+    return saved_compression_cost(numel, rows, val.element_size(), DERIVATIVE_BITS, 2, profile, computed_bytes=computed_bytes)
 
 
 def keep_over_budget(costed: list[tuple[SavedValue, SiteCost]], budget_s: float, why: str) -> None:
@@ -381,7 +392,7 @@ def saved_row(s: SavedValue, cost: SiteCost | None) -> SiteRow:
         reason, numerics = "error ≤ max|row|/254", "INT8 per row, round to nearest"
     elif decision == DERIVATIVE:
         reason = f"the backward reads it only through f(x) = {s.factor.describe()}, times a gradient: f(x) is saved"
-        numerics = "4-bit f(x) per row (min, step), stochastic rounding"
+        numerics = f"4-bit f(x) per row (min, step), stochastic rounding of f(x) in {str(derivative_dtype(val.dtype)).removeprefix('torch.')}"
     else:
         reason, numerics = s.reason, "-"
     return SiteRow(

@@ -172,13 +172,17 @@ def test_each_hot_op_pays_the_op_overhead():
     assert _gx(*shape).original_s == _gx(*shape, free).original_s
 
 
-def test_a_derivative_code_pays_for_writing_the_derivative():
+def test_a_derivative_code_writes_the_derivative_and_no_decoded_value():
     """A derivative code costs the forward one more buffer than a row code of a value the forward
-    writes anyway: the derivative itself, ``numel·b`` bytes at the write rate."""
-    numel, rows, elem_bytes = 6272 * 3072, 6272, 2
+    writes anyway, the derivative itself at ``c`` bytes a value, which the encoder then reads; the
+    backward decodes it inside the multiply that reads it, where a row code's decoded value is
+    written (``numel·b`` bytes)."""
+    numel, rows, elem_bytes, computed_bytes = 6272 * 3072, 6272, 4, 2
     row_code = cost_model.saved_compression_cost(numel, rows, elem_bytes, 4, 2, CPU)
-    derivative = cost_model.saved_compression_cost(numel, rows, elem_bytes, 4, 2, CPU, computed=True)
-    assert derivative.hot_s - row_code.hot_s == pytest.approx(CPU.write_seconds(numel * elem_bytes))
+    derivative = cost_model.saved_compression_cost(numel, rows, elem_bytes, 4, 2, CPU, computed_bytes=computed_bytes)
+    written = CPU.write_seconds(numel * computed_bytes) - CPU.write_seconds(numel * elem_bytes)
+    encoded = 2 * numel * (computed_bytes - elem_bytes) / CPU.read_bw
+    assert derivative.hot_s - row_code.hot_s == pytest.approx(written + encoded)
     assert derivative.saved_bytes_after == row_code.saved_bytes_after
 
 
