@@ -346,9 +346,10 @@ def run_saved_pass(
     place; returns a row for each saved activation. ``parameters`` as for :func:`run_hot_pass`.
 
     Under ``policy="balanced"`` the compression adds at most ``max_slowdown`` of ``products_s``, the
-    estimated seconds of the graph's products as the joint pass found them (its rows): the values that
-    save the most bytes per estimated second go first, and the rest are kept. ``"hot"`` and
-    ``"memory"`` compress every eligible value."""
+    estimated seconds of the graph's products as they run (:attr:`~.report.SiteRow.est_ms` of the joint
+    pass's rows: HOT's variant where it rewrote one), so the budget is a share of the step it slows,
+    not of the float products HOT replaced: the values that save the most bytes per estimated second
+    go first, and the rest are kept. ``"hot"`` and ``"memory"`` compress every eligible value."""
     saved = find_saved_values(fw, bw, num_fwd_outputs, parameters)
     profiles: dict = {}
     costs, balanced = {}, []

@@ -117,27 +117,37 @@ def grad_weight_cost(
 
 
 def saved_compression_cost(
-    numel: int, rows: int, elem_bytes: int, code_bits: int, scales: int, profile: DeviceProfile, computed_bytes: int = 0
+    numel: int,
+    rows: int,
+    elem_bytes: int,
+    code_bits: int,
+    scales: int,
+    profile: DeviceProfile,
+    computed_bytes: int = 0,
+    stochastic: bool = False,
 ) -> SiteCost:
     """A saved activation of ``numel`` values in ``rows`` rows, kept as ``code_bits``-bit codes with
     ``scales`` float32 numbers a row (:mod:`~hot_compile.passes.saved_activations`) instead of ``b``
     bytes a value; ``p = numel·code_bits/8 + 4·scales·rows`` bytes. ``computed_bytes`` (``c``): where
     the code is of a value the forward computes for it alone (a derivative ``f(x)`` saved in place of
-    ``x``), that value's bytes a value; else 0.
+    ``x``), that value's bytes a value; else 0. ``stochastic``: the codes are rounded with hash noise.
 
     original = 0: the tensor is written in the forward and read in the backward either way;
-    coded = the forward's row reductions and rounding ``2·numel·e / R + p / W`` (``e = c`` for a
-    computed value, else ``b``) + the backward's decoding ``p / R + numel·b / W`` + ``2c`` + ``o``
-    (the encoder is one of HOT's ops), plus, for a computed value, its write ``numel·c / W`` and no
-    decoded write: its only readers multiply it by a gradient, and Inductor decodes it inside that
-    multiply; saving ``numel·b − p`` bytes.
+    coded = the forward's row reductions ``numel·e / R`` (``e = c`` for a computed value, else ``b``)
+    and rounding, ``numel·e / R`` to nearest or ``numel / T`` stochastically (a hash and a rounding
+    per value, as HQ's quantizer), ``+ p / W`` + the backward's decoding ``p / R + numel·b / W`` +
+    ``2c`` + ``o`` (the encoder is one of HOT's ops), plus, for a computed value, its write
+    ``numel·c / W`` and no decoded write: its only readers multiply it by a gradient, and Inductor
+    decodes it inside that multiply; saving ``numel·b − p`` bytes.
     """
     packed = numel * code_bits // 8 + 4 * scales * rows
-    encoded_bytes = computed_bytes or elem_bytes
+    read = numel * (computed_bytes or elem_bytes) / profile.read_bw
+    rounding = numel / profile.transform_rate if stochastic else read
     computed = profile.write_seconds(numel * computed_bytes) if computed_bytes else 0.0
     decoded = 0.0 if computed_bytes else profile.write_seconds(numel * elem_bytes)
     hot = (
-        2 * numel * encoded_bytes / profile.read_bw
+        read
+        + rounding
         + profile.write_seconds(packed)
         + packed / profile.read_bw
         + decoded

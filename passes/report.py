@@ -39,6 +39,11 @@ class SiteRow:
     # The numerics of a rewritten site (bits, scales, rank) and where each choice came from.
     numerics: str = "-"
 
+    @property
+    def est_ms(self) -> float | None:
+        """The estimate of what runs: HOT's variant where the site was rewritten, else the original."""
+        return self.est_original_ms if self.decision == "kept" else self.est_hot_ms
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

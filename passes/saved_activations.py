@@ -363,7 +363,9 @@ def compression_cost(s: SavedValue, profile) -> SiteCost:
     if s.factor is None:
         return saved_compression_cost(numel, rows, val.element_size(), ROW_BITS, 1, profile)
     computed_bytes = derivative_dtype(val.dtype).itemsize
-    return saved_compression_cost(numel, rows, val.element_size(), DERIVATIVE_BITS, 2, profile, computed_bytes=computed_bytes)
+    return saved_compression_cost(
+        numel, rows, val.element_size(), DERIVATIVE_BITS, 2, profile, computed_bytes=computed_bytes, stochastic=True
+    )
 
 
 def keep_over_budget(costed: list[tuple[SavedValue, SiteCost]], budget_s: float, why: str) -> None:

@@ -2,6 +2,7 @@
 the codes against float64, the gradients each code gives within the bound of its bits, and what a
 compiled model saves."""
 
+import dataclasses
 import math
 import types
 
@@ -15,6 +16,7 @@ from hot_compile import HotConfig
 from hot_compile.harness import models
 from hot_compile.inductor_pass import HotPassWarning
 from hot_compile.passes.cost_model import SiteCost
+from hot_compile.passes.report import SiteRow
 from hot_compile.passes.saved_activations import DERIVATIVE, DERIVATIVE_BITS, INT8_ROWS, keep_over_budget
 from hot_compile.runtime import quant
 from tests import tolerances as tol
@@ -230,19 +232,23 @@ def test_the_budget_compresses_the_most_bytes_per_second_first():
 def _saved_under_balanced(max_slowdown: float):
     _, _, _, report = _block_step(HotConfig(strict=True, compress_saved=True, max_slowdown=max_slowdown))
     rows = report.select(path="saved")
-    products_ms = sum(r.est_original_ms or 0.0 for r in report.products())
+    products_ms = sum(r.est_ms or 0.0 for r in report.products())
     return [r for r in rows if r.decision != "kept"], [r for r in rows if "over the budget" in r.reason], products_ms
 
 
-def test_balanced_compresses_within_max_slowdown_of_the_products_estimate():
+def test_balanced_compresses_within_max_slowdown_of_the_products_estimate_as_they_run():
     compressed, over, _ = _saved_under_balanced(0.1)  # the default
     assert over and not compressed  # a 64-wide block: each encoder's fixed cost is over the budget
-    compressed, over, products_ms = _saved_under_balanced(1000.0)
-    assert compressed and not over
-    bound = 0.5 * sum(r.est_hot_ms for r in compressed) / products_ms  # half of what compressing all adds
-    compressed, over, products_ms = _saved_under_balanced(bound)
+    # At 5 the block's products stay kept (HOT's estimates are 18-20x theirs at this width), and the
+    # budget, 5x their estimate, takes some of the values.
+    compressed, over, products_ms = _saved_under_balanced(5.0)
     assert compressed and over
-    assert sum(r.est_hot_ms for r in compressed) <= bound * products_ms
+    assert sum(r.est_hot_ms for r in compressed) <= 5.0 * products_ms
+
+
+def test_a_site_is_estimated_as_it_runs():
+    row = SiteRow(module="fc", path="gx", shape="-", dtype="float32", decision="kept", reason="-", est_original_ms=2.0, est_hot_ms=3.0)
+    assert row.est_ms == 2.0 and dataclasses.replace(row, decision="HQ").est_ms == 3.0
 
 
 @pytest.mark.parametrize(
