@@ -124,8 +124,7 @@ class HotPartitioner(CustomPartitionerFn):
         if report is None or not config.any_module("compress_saved"):
             return fw, bw
         try:
-            products_s = sum(r.est_ms or 0.0 for r in report.products()) / 1e3
-            rows = run_saved_pass(fw, bw, kwargs["num_fwd_outputs"], config, self.joint_pass.parameters, products_s)
+            rows = run_saved_pass(fw, bw, kwargs["num_fwd_outputs"], config, self.joint_pass.parameters, report.products())
         except Exception as exc:
             what = f"compressing the saved activations of graph {report.graph} failed; they are saved as the partitioner chose"
             _fail_softly(config, what, exc)

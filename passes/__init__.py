@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -36,8 +37,9 @@ from .report import Report, SiteRow
 from .rewrite_conv import compressed_conv_input, retire_conv_backward, rewrite_conv_grad_input, rewrite_conv_grad_weight
 from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
-from .saved_activations import compress_saved_values, compression_cost, find_saved_values, keep_over_budget, saved_row
+from .saved_activations import compress_saved_values, find_saved_values, saved_row
 from .saved_activations import why_not_selected as why_saved_not_selected
+from .saved_budget import compression_cost, keep_over_budget
 from .sites import LinearSite, WeightLike, backward_nodes, find_linear_sites, module_path, same_value
 from .unbatch import unbatch_weight_products
 from .unmatched import UnmatchedProduct, find_unmatched_products
@@ -340,16 +342,16 @@ def run_saved_pass(
     num_fwd_outputs: int,
     config: HotConfig,
     parameters: frozenset[int] | None = None,
-    products_s: float = 0.0,
+    products: Sequence[SiteRow] = (),
 ) -> list[SiteRow]:
     """Compress what the partitioned forward ``fw`` saves for ``bw`` (:mod:`.saved_activations`) in
     place; returns a row for each saved activation. ``parameters`` as for :func:`run_hot_pass`.
 
-    Under ``policy="balanced"`` the compression adds at most ``max_slowdown`` of ``products_s``, the
-    estimated seconds of the graph's products as they run (:attr:`~.report.SiteRow.est_ms` of the joint
-    pass's rows: HOT's variant where it rewrote one), so the budget is a share of the step it slows,
-    not of the float products HOT replaced: the values that save the most bytes per estimated second
-    go first, and the rest are kept. ``"hot"`` and ``"memory"`` compress every eligible value."""
+    Under ``policy="balanced"`` the compression adds at most ``max_slowdown`` of the estimated time of
+    the graph's ``products`` (the joint pass's rows) as they run (:attr:`~.report.SiteRow.est_ms`:
+    HOT's variant where it rewrote one), so the budget is a share of the step it slows, not of the
+    float products HOT replaced: the values that save the most bytes per estimated second go first,
+    and the rest are kept. ``"hot"`` and ``"memory"`` compress every eligible value."""
     saved = find_saved_values(fw, bw, num_fwd_outputs, parameters)
     profiles: dict = {}
     costs, balanced = {}, []
@@ -363,6 +365,7 @@ def run_saved_pass(
             costs[id(s)] = compression_cost(s, _profile(s.forward.meta["val"].device, config, profiles))
             if module_config.policy == "balanced":
                 balanced.append((s, costs[id(s)]))
+    products_s = sum(r.est_ms or 0.0 for r in products) / 1e3
     budget = config.max_slowdown * products_s
     keep_over_budget(
         balanced,

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime import ops
 from ..runtime.quant import dequantize, unpack_nibbles
-from .cost_model import SiteCost, saved_compression_cost
+from .cost_model import SiteCost
 from .inline import insert_traced
 from .legality import unsupported
 from .provenance import provenance
@@ -355,38 +355,9 @@ def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[Sa
     bw.recompile()
 
 
-def compression_cost(s: SavedValue, profile) -> SiteCost:
-    """The estimated added time and the bytes of ``s``'s code (:func:`~.cost_model.saved_compression_cost`)."""
-    val = s.forward.meta["val"]
-    numel = optimization_hint(val.numel())
-    rows = numel // max(optimization_hint(val.shape[-1]), 1) if val.dim() else 1
-    if s.factor is None:
-        return saved_compression_cost(numel, rows, val.element_size(), ROW_BITS, 1, profile)
-    computed_bytes = derivative_dtype(val.dtype).itemsize
-    return saved_compression_cost(
-        numel, rows, val.element_size(), DERIVATIVE_BITS, 2, profile, computed_bytes=computed_bytes, stochastic=True
-    )
-
-
-def keep_over_budget(costed: list[tuple[SavedValue, SiteCost]], budget_s: float, why: str) -> None:
-    """Compress the values that save the most bytes per estimated second first, while their added
-    time stays within ``budget_s``; the others are kept, with ``why``."""
-
-    def bytes_per_second(item):
-        cost = item[1]
-        return (cost.saved_bytes_before - cost.saved_bytes_after) / cost.hot_s
-
-    spent = 0.0
-    for s, cost in sorted(costed, key=bytes_per_second, reverse=True):
-        if spent + cost.hot_s <= budget_s:
-            spent += cost.hot_s
-        else:
-            s.reason = why
-
-
 def saved_row(s: SavedValue, cost: SiteCost | None) -> SiteRow:
     """The report row of one saved value: bytes before and after, and ``cost``, its compression's
-    estimate (:func:`compression_cost`; None where it is kept)."""
+    estimate (:func:`~.saved_budget.compression_cost`; None where it is kept)."""
     val = s.forward.meta["val"]
     before = optimization_hint(val.numel()) * val.element_size()
     decision = s.decision

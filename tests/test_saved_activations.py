@@ -17,7 +17,8 @@ from hot_compile.harness import models
 from hot_compile.inductor_pass import HotPassWarning
 from hot_compile.passes.cost_model import SiteCost
 from hot_compile.passes.report import SiteRow
-from hot_compile.passes.saved_activations import DERIVATIVE, DERIVATIVE_BITS, INT8_ROWS, keep_over_budget
+from hot_compile.passes.saved_activations import DERIVATIVE, DERIVATIVE_BITS, INT8_ROWS
+from hot_compile.passes.saved_budget import keep_over_budget
 from hot_compile.runtime import quant
 from tests import tolerances as tol
 from tests.data import make, rel_err
