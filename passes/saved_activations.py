@@ -261,8 +261,9 @@ def derivative_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _derivative_encoder(dtype: torch.dtype):
+    code_dtype = derivative_dtype(dtype)
+
     def encode(fx_value: torch.Tensor):
-        code_dtype = derivative_dtype(dtype)
         if code_dtype.itemsize < fx_value.dtype.itemsize:
             fx_value = fx_value.to(code_dtype)
         return ops.encode_derivative(fx_value, ops.draw_seed(fx_value), DERIVATIVE_BITS)
@@ -365,7 +366,8 @@ def saved_row(s: SavedValue, cost: SiteCost | None) -> SiteRow:
         reason, numerics = "error ≤ max|row|/254", "INT8 per row, round to nearest"
     elif decision == DERIVATIVE:
         reason = f"the backward reads it only through f(x) = {s.factor.describe()}, times a gradient: f(x) is saved"
-        numerics = f"4-bit f(x) per row (min, step), stochastic rounding of f(x) in {str(derivative_dtype(val.dtype)).removeprefix('torch.')}"
+        code_dtype = str(derivative_dtype(val.dtype)).removeprefix("torch.")
+        numerics = f"4-bit f(x) per row (min, step), stochastic rounding of f(x) in {code_dtype}"
     else:
         reason, numerics = s.reason, "-"
     return SiteRow(
