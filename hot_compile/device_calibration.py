@@ -14,6 +14,7 @@ from .config import HotConfig
 from .passes.attention_precision import FLASH_CPU_BACKWARD
 from .passes.cost_model import SiteCost, forward_cost, grad_input_cost, grad_weight_cost
 from .passes.numerics import resolve_numerics
+from .runtime import cpu_kernels
 from .runtime.devices import DTYPES, DeviceProfile, cpu_identity
 from .runtime.hadamard import padded_length
 from .runtime.int8_gemm import int8_gemm_kind, int8_matmul, u8s8_linear, u8s8_operand
@@ -142,7 +143,14 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         a = torch.randn(size, size).to(getattr(torch, dtype))
         flops[dtype] = 2 * size**3 / median_seconds(lambda a=a: a @ a, repeats)
     q8 = torch.randint(-127, 128, (size, size), dtype=torch.int8)
-    int8_ops = 2 * size**3 / median_seconds(lambda: int8_matmul(q8, q8, 127, 127), repeats)
+    fused_epilogue = cpu_kernels.amx_int8()
+    if fused_epilogue:
+        # The GEMM HOT's CPU ops run there, on a contraction long enough that its output write is noise.
+        a, b, ones = q8.repeat(1, 4), q8.repeat(4, 1), torch.ones(size)
+        seconds = median_seconds(lambda: cpu_kernels.matmul_dequantized(a, b, ones, ones, 1.0, torch.float32, None), repeats)
+        int8_ops = 8 * size**3 / seconds
+    else:
+        int8_ops = 2 * size**3 / median_seconds(lambda: int8_matmul(q8, q8, 127, 127), repeats)
     narrow_int8_ops = None
     if int8_gemm_kind(torch.device("cpu")) == "u8s8":
         # The GEMM alone: a compiled op's quantizer writes the shifted uint8 operand itself.
@@ -180,6 +188,7 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         op_overhead=0.0,  # fitted last, on the other rates
         narrow_int8_ops=narrow_int8_ops,
         fp32_attention_backward=fp32_backward < bf16_backward,
+        int8_fused_epilogue=fused_epilogue,
     )
     measured = dataclasses.replace(measured, transform_rate=_fitted_transform_rate(measured, repeats))
     return dataclasses.replace(measured, op_overhead=_fitted_op_overhead(measured, repeats))

@@ -58,14 +58,13 @@ def quantize_time(rows: int, cols: int, out_elems: int, elem_bytes: int, profile
 
 def int_matmul_time(m: int, k: int, n: int, out_elem_bytes: int, profile: DeviceProfile, bits: int) -> float:
     """``2·m·k·n / I`` for the int32 product of ``bits``-bit operands, written ``m·n·4 / W`` in row
-    chunks of a few MiB that the allocator reuses, then dequantize: ``m·n·4 / R + m·n·b_out / W``, 2 calls."""
-    return (
-        2 * m * k * n / profile.int8_rate(bits)
-        + m * n * 4 / profile.write_bw
-        + m * n * 4 / profile.read_bw
-        + profile.write_seconds(m * n * out_elem_bytes)
-        + 2 * profile.kernel_overhead
-    )
+    chunks of a few MiB that the allocator reuses, then dequantize: ``m·n·4 / R + m·n·b_out / W``, 2 calls.
+    Where the profile's product dequantizes as it goes (``int8_fused_epilogue``): ``2·m·k·n / I +
+    m·n·b_out / W``, 1 call."""
+    out = 2 * m * k * n / profile.int8_rate(bits) + profile.write_seconds(m * n * out_elem_bytes)
+    if profile.int8_fused_epilogue:
+        return out + profile.kernel_overhead
+    return out + m * n * 4 / profile.write_bw + m * n * 4 / profile.read_bw + 2 * profile.kernel_overhead
 
 
 def grad_input_cost(

@@ -202,6 +202,18 @@ def test_a_buffer_above_the_mmap_threshold_is_written_at_the_fresh_rate():
         dataclasses.replace(CPU, fresh_write_bw=0.0)
 
 
+def test_a_fused_epilogue_writes_no_int32_product():
+    """Where the integer product dequantizes as it goes (HOT's AMX kernel) the int32 product's write
+    and read, and the dequantize's call, leave the estimate; the output's write stays."""
+    m, k, n = 6272, 768, 3072
+    fused = dataclasses.replace(CPU, int8_fused_epilogue=True)
+    chunked = dataclasses.replace(CPU, int8_fused_epilogue=False)
+    int32 = m * n * 4 / CPU.write_bw + m * n * 4 / CPU.read_bw + CPU.kernel_overhead
+    fused_s, chunked_s = (cost_model.int_matmul_time(m, k, n, 2, p, 8) for p in (fused, chunked))
+    assert chunked_s - fused_s == pytest.approx(int32)
+    assert fused_s == pytest.approx(2 * m * k * n / CPU.int8_ops + CPU.write_seconds(m * n * 2) + CPU.kernel_overhead)
+
+
 def test_op_overhead_is_the_least_squares_fit_of_step_residuals(monkeypatch):
     """With measured steps that exceed the estimates at o = 0 by 4·o₀ per layer (4 ops: the forward,
     HQ, HLA and the compression), the fit returns o₀."""

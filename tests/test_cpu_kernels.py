@@ -147,6 +147,7 @@ def test_noise_offset_is_the_hash_of_the_seed_and_salt():
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out_dtype):
+    monkeypatch.setattr(cpu_kernels, "amx_int8", lambda: False)
     monkeypatch.setattr(cpu_kernels, "MIN_CHUNK_ROWS", 16)
     monkeypatch.setattr(cpu_kernels, "CHUNK_BYTES", 16 * 4 * 24)  # 16-row chunks of a [.., 24] product
     a = torch.randint(-127, 128, (100, 40), dtype=torch.int8)
@@ -156,6 +157,29 @@ def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out
     expected = (a.double() @ b.double()) * row_scale.double() * col_scale.double() / 16
     assert out.dtype == out_dtype
     assert rel_err(out, expected) < {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}[out_dtype]
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(100, 40, 24), (64, 128, 64), (300, 200, 70), (33, 8, 17)])
+def test_amx_product_is_the_chunked_one_exactly(monkeypatch, out_dtype, shape):
+    """HOT's AMX kernel against ``torch._int_mm`` and the chunked dequantize: the int32 sums are exact
+    in both and the epilogue's arithmetic is the same, so every output is equal. The shapes leave
+    partial tiles along each dimension (32 rows, 64 contraction values, 32 columns a block), and each
+    operand is read row- and column-major (HLA's ``q(P g)ᵀ``, the forward's ``q(W)ᵀ``)."""
+    if not cpu_kernels.amx_int8():  # asked here: the library loads under the session's cache (conftest)
+        pytest.skip("HOT's AMX GEMM needs AMX-INT8 and a build of the library with it")
+    m, k, n = shape
+    a = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+    b = torch.randint(-128, 128, (k, n), dtype=torch.int8)
+    row_scale, col_scale, bias = torch.rand(m, 1), torch.rand(n), torch.randn(n)
+    def product(a, b, **bias_arg):
+        return cpu_kernels.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, int8_gemm.int8_matmul, **bias_arg)
+    amx = [product(x, y, bias=bias) for x in (a, a.t().contiguous().t()) for y in (b, b.t().contiguous().t())]
+    amx_without_bias = product(a, b)
+    monkeypatch.setattr(cpu_kernels, "amx_int8", lambda: False)
+    expected = product(a, b, bias=bias)
+    assert all(torch.equal(out, expected) for out in amx)
+    assert torch.equal(amx_without_bias, product(a, b))
 
 
 def test_cpu_ops_run_the_fused_kernels(monkeypatch):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import hashlib
 import os
 import pathlib
@@ -41,7 +42,7 @@ from .devices import cache_root, cpu_identity
 from .quant import guard_scale, qmax
 
 # One translation unit, in this order.
-_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp"))
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp", "cpu_amx.cpp"))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Rows of one integer GEMM chunk: its int32 product stays within a few MiB that the allocator reuses.
 CHUNK_BYTES = 4 << 20
@@ -55,7 +56,10 @@ _SIGNATURES = {
     "hot_dequantize": (_P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
     "hot_rows_encode": (_P, _I, _P, _P, _P, _I, _I, _P, _P),
     "hot_derivative_encode": (_P, _I, _I, _I, _U, _P, _P, _P),
+    "hot_amx_compiled": (),
+    "hot_amx_matmul_dequantize": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
 }
+_RESULTS = {"hot_amx_compiled": ctypes.c_int64}
 
 # Seconds callers have waited for the library: the part of its build that did not overlap anything.
 build_seconds = 0.0
@@ -95,7 +99,7 @@ def _load() -> ctypes.CDLL:
         _keep(library._name, path)
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(library, name)
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, _RESULTS.get(name)
     return library
 
 
@@ -227,6 +231,13 @@ def quantize_columns(
     return q
 
 
+@functools.cache
+def amx_int8() -> bool:
+    """Whether :func:`matmul_dequantized` runs HOT's integer GEMM on AMX tiles (``cpu_amx.cpp``): the
+    library was built with AMX and the OS lets this process use it. Elsewhere it runs ``matmul``."""
+    return bool(_library().hot_amx_compiled()) and torch.cpu._init_amx()
+
+
 def matmul_dequantized(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -245,10 +256,17 @@ def matmul_dequantized(
     m, n = a.shape[0], b.shape[1]
     out = torch.empty(m, n, dtype=out_dtype)
     code = _dtype_code(out)
-    rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * max(n, 1)))
     row_ptr, row_stride = _scale_arg(row_scale)
     col_ptr, col_stride = _scale_arg(col_scale)
     bias = None if bias is None else bias.to(torch.float32).contiguous()
+    if amx_int8():
+        if m and n:
+            lib.hot_amx_matmul_dequantize(
+                a.data_ptr(), m, a.shape[1], a.stride(0), a.stride(1), b.data_ptr(), n, b.stride(0), b.stride(1),
+                row_ptr, row_stride, col_ptr, col_stride, divisor, _ptr(bias), out.data_ptr(), code,
+            )  # fmt: skip
+        return out
+    rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * max(n, 1)))
     for start in range(0, m, rows):
         stop = min(m, start + rows)
         acc = matmul(a[start:stop], b)

@@ -49,6 +49,9 @@ class DeviceProfile:
             x86 CPUs without VNNI/AMX, oneDNN's uint8 × int8 GEMM (:func:`~hot_compile.runtime.int8_gemm.u8s8_exact`). None: ``int8_ops``.
         fp32_attention_backward: the CPU's flash-attention backward runs faster in float32, with its
             operands upcast and its gradients cast back, than in bf16 (:mod:`~hot_compile.passes.attention_precision`).
+        int8_fused_epilogue: the integer product scales its int32 sums into the output as it goes, and
+            writes no int32 product (HOT's AMX kernel, :func:`~hot_compile.runtime.cpu_kernels.amx_int8`);
+            ``int8_ops`` is then that kernel's rate.
     """
 
     name: str
@@ -62,6 +65,7 @@ class DeviceProfile:
     narrow_int8_ops: float | None = None
     fp32_attention_backward: bool = False
     fresh_write_bw: float | None = None
+    int8_fused_epilogue: bool = False
 
     def __post_init__(self) -> None:
         missing = set(DTYPES) - set(self.matmul_flops)
@@ -122,12 +126,13 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
         DeviceProfile(
-            # AMX: bf16 products on AMX tiles; torch._int_mm runs oneDNN's gemm API, on VNNI, not AMX,
-            # so int8 products are no faster than bf16 ones (medians of three calibrations; this VM's
-            # AMX rate moved between 0.4 and 1.2 TFLOP/s from one second to the next).
+            # AMX: bf16 products on AMX tiles (oneDNN), int8 ones on HOT's AMX kernel (torch._int_mm
+            # runs on VNNI here, no faster than AMX bf16). This VM's AMX rates move 2-3x from one
+            # second to the next; int8 ran at 2.3-2.4x a bf16 1024^3 product in interleaved runs.
             name="cpu-sapphire-rapids-2core",
             matmul_flops={"float32": 2.4e11, "bfloat16": 1.16e12, "float16": 2.6e11},
-            int8_ops=1.0e12,
+            int8_ops=2.7e12,
+            int8_fused_epilogue=True,
             read_bw=4.6e10,
             write_bw=4.0e10,  # 32-47 GB/s into new 4 and 16 MiB buffers
             fresh_write_bw=3.7e9,  # 3.3-3.9 GB/s into new 38 and 77 MiB ones: a page fault per page
