@@ -160,12 +160,12 @@ def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(100, 40, 24), (64, 128, 64), (300, 200, 70), (33, 8, 17)])
+@pytest.mark.parametrize("shape", [(100, 40, 24), (64, 128, 64), (300, 200, 70), (33, 8, 17), (70, 2100, 40)])
 def test_amx_product_is_the_chunked_one_exactly(monkeypatch, out_dtype, shape):
     """HOT's AMX kernel against ``torch._int_mm`` and the chunked dequantize: the int32 sums are exact
     in both and the epilogue's arithmetic is the same, so every output is equal. The shapes leave
-    partial tiles along each dimension (32 rows, 64 contraction values, 32 columns a block), and each
-    operand is read row- and column-major (HLA's ``q(P g)ᵀ``, the forward's ``q(W)ᵀ``)."""
+    partial tiles along each dimension (32 rows, 64 contraction values, 32 columns a block) and a
+    contraction summed in three chunks, and each operand is read row- and column-major (HLA's ``q(P g)ᵀ``, the forward's ``q(W)ᵀ``)."""
     if not cpu_kernels.amx_int8():  # asked here: the library loads under the session's cache (conftest)
         pytest.skip("HOT's AMX GEMM needs AMX-INT8 and a build of the library with it")
     m, k, n = shape

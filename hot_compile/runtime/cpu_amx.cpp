@@ -18,6 +18,12 @@ namespace {
 constexpr int64_t AMX_M = 32, AMX_N = 32, AMX_K = 64;
 // Rows of A a thread takes at a time (at most; fewer where that shares them out evenly).
 constexpr int64_t AMX_GROUP = 256;
+// Contraction values per chunk: a group's A chunk (256 KiB) and a column block's B chunk (32 KiB)
+// stay in L2 while the chunk's products run.
+constexpr int64_t AMX_KC = 1024;
+// Columns per panel: a group's int32 sums over the panel (256 KiB) stay in L2 between chunks.
+constexpr int64_t AMX_NP = 256;
+constexpr int64_t AMX_STREAM_BYTES = 8 << 20;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -39,12 +45,38 @@ inline void configure_tiles() {
 // B [k, n] (strides sk, sn) in AMX's VNNI layout, zero-padded to [kp, np]: for each block of 16 columns,
 // kp/4 rows of 16 groups of 4 consecutive k, so that a tile of B is 1 KiB read at a stride of 64 bytes.
 void pack_b(const int8_t* b, int64_t k, int64_t n, int64_t sk, int64_t sn, int64_t kp, int64_t np, int8_t* packed) {
+  const int64_t k4 = k / 4 * 4, n16 = n / 16 * 16;
 #pragma omp parallel for schedule(static)
   for (int64_t block = 0; block < np / 16; ++block) {
     int8_t* out = packed + block * kp * 16;
-    for (int64_t g = 0; g < kp / 4; ++g) {
+    const int64_t col0 = block * 16;
+    const bool whole = col0 < n16;
+    int64_t g = 0;
+    if (whole && sn == 1) {
+      // Rows of B in memory: four rows' 16 bytes interleaved by bytes, then by pairs.
+      for (; 4 * g < k4; ++g) {
+        const int8_t* row = b + 4 * g * sk + col0;
+        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + sk));
+        const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * sk));
+        const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 3 * sk));
+        const __m128i lo01 = _mm_unpacklo_epi8(r0, r1), hi01 = _mm_unpackhi_epi8(r0, r1);
+        const __m128i lo23 = _mm_unpacklo_epi8(r2, r3), hi23 = _mm_unpackhi_epi8(r2, r3);
+        __m128i* dst = reinterpret_cast<__m128i*>(out + g * 64);
+        _mm_storeu_si128(dst, _mm_unpacklo_epi16(lo01, lo23));
+        _mm_storeu_si128(dst + 1, _mm_unpackhi_epi16(lo01, lo23));
+        _mm_storeu_si128(dst + 2, _mm_unpacklo_epi16(hi01, hi23));
+        _mm_storeu_si128(dst + 3, _mm_unpackhi_epi16(hi01, hi23));
+      }
+    } else if (whole && sk == 1) {
+      // Columns of B in memory (a weight's q(W)ᵀ): each group of 4 is 4 consecutive bytes of a column.
+      for (; 4 * g < k4; ++g) {
+        for (int64_t j = 0; j < 16; ++j) std::memcpy(out + (g * 16 + j) * 4, b + 4 * g + (col0 + j) * sn, 4);
+      }
+    }
+    for (; g < kp / 4; ++g) {
       for (int64_t j = 0; j < 16; ++j) {
-        const int64_t col = block * 16 + j;
+        const int64_t col = col0 + j;
         for (int64_t i = 0; i < 4; ++i) {
           const int64_t row = 4 * g + i;
           out[(g * 16 + j) * 4 + i] = row < k && col < n ? b[row * sk + col * sn] : 0;
@@ -52,6 +84,36 @@ void pack_b(const int8_t* b, int64_t k, int64_t n, int64_t sk, int64_t sn, int64
       }
     }
   }
+}
+
+// dst[i][j] = src[j][i] for a 16 × 16 block of bytes (rows `src_stride` and `dst_stride` apart), in four
+// rounds of interleaving pairs of registers: bytes, then pairs, quads and eights of them. Register
+// h·8 + p of a round holds the low (h = 0) or high (h = 1) half of the interleave of the round
+// before's registers 2p and 2p + 1, so after the fourth, register j holds source column j, rows in order.
+inline void transpose16(const int8_t* src, int64_t src_stride, int8_t* dst, int64_t dst_stride) {
+  __m128i x[16], y[16];
+  for (int i = 0; i < 16; ++i) x[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * src_stride));
+  for (int p = 0; p < 8; ++p) {
+    y[p] = _mm_unpacklo_epi8(x[2 * p], x[2 * p + 1]);
+    y[8 + p] = _mm_unpackhi_epi8(x[2 * p], x[2 * p + 1]);
+  }
+  for (int g = 0; g < 2; ++g) {
+    for (int p = 0; p < 4; ++p) {
+      x[8 * g + p] = _mm_unpacklo_epi16(y[8 * g + 2 * p], y[8 * g + 2 * p + 1]);
+      x[8 * g + 4 + p] = _mm_unpackhi_epi16(y[8 * g + 2 * p], y[8 * g + 2 * p + 1]);
+    }
+  }
+  for (int g = 0; g < 4; ++g) {
+    for (int p = 0; p < 2; ++p) {
+      y[4 * g + p] = _mm_unpacklo_epi32(x[4 * g + 2 * p], x[4 * g + 2 * p + 1]);
+      y[4 * g + 2 + p] = _mm_unpackhi_epi32(x[4 * g + 2 * p], x[4 * g + 2 * p + 1]);
+    }
+  }
+  for (int g = 0; g < 8; ++g) {
+    x[2 * g] = _mm_unpacklo_epi64(y[2 * g], y[2 * g + 1]);
+    x[2 * g + 1] = _mm_unpackhi_epi64(y[2 * g], y[2 * g + 1]);
+  }
+  for (int j = 0; j < 16; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j * dst_stride), x[j]);
 }
 
 // `count` rows of A from `first` (strides sm, sk), zero-padded to kp columns and to a whole 32 rows.
@@ -64,25 +126,40 @@ void pack_a(const int8_t* a, int64_t first, int64_t count, int64_t k, int64_t sm
       std::memset(packed + r * kp + k, 0, kp - k);
     }
   } else {
-    // Along k outermost: a transposed operand (HLA's q(P g)ᵀ) is read along its rows.
+    // A transposed operand (HLA's q(P g)ᵀ): blocks of 16 × 16 where its rows are contiguous in memory.
+    const int64_t r16 = sm == 1 ? count / 16 * 16 : 0, c16 = sm == 1 ? k / 16 * 16 : 0;
+    // Along k outermost: 16 source rows are read whole while the panel's lines they fill stay in L1.
+    for (int64_t c = 0; c < c16; c += 16) {
+      for (int64_t r = 0; r < r16; r += 16) transpose16(a + (first + r) * sm + c * sk, sk, packed + r * kp + c, kp);
+    }
     for (int64_t c = 0; c < k; ++c) {
       const int8_t* column = a + first * sm + c * sk;
-      for (int64_t r = 0; r < count; ++r) packed[r * kp + c] = column[r * sm];
+      for (int64_t r = c < c16 ? r16 : 0; r < count; ++r) packed[r * kp + c] = column[r * sm];
     }
     for (int64_t r = 0; r < count; ++r) std::memset(packed + r * kp + k, 0, kp - k);
   }
   std::memset(packed + count * kp, 0, (rows - count) * kp);
 }
 
-// One 32 × 32 block of int32 products: A rows at `a` (stride lda), B's two column blocks packed. Tiles
-// are not renamed, so each load comes right before the first product that reads it, and the next
-// step's loads wait only on the products that read their tiles.
-inline void block_product(const int8_t* a, int64_t lda, const int8_t* b0, const int8_t* b1, int64_t kp, int32_t* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t k = 0; k < kp; k += AMX_K) {
+// One 32 × 32 block of int32 sums over k in [k0, k1): A rows at `a` (stride lda), B's two column
+// blocks packed; the sums start from zero (`first`) or from `c`, and end in `c` (row stride AMX_N).
+// Tiles are not renamed, so each load comes right before the first product that reads it, and the
+// next step's loads wait only on the products that read their tiles.
+inline void block_product(const int8_t* a, int64_t lda, const int8_t* b0, const int8_t* b1, int64_t k0, int64_t k1,
+                          bool first, int32_t* c) {
+  constexpr int64_t ldc = AMX_N * sizeof(int32_t);
+  if (first) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, c, ldc);
+    _tile_loadd(1, c + 16, ldc);
+    _tile_loadd(2, c + 16 * AMX_N, ldc);
+    _tile_loadd(3, c + 16 * AMX_N + 16, ldc);
+  }
+  for (int64_t k = k0; k < k1; k += AMX_K) {
     _tile_loadd(4, a + k, lda);
     _tile_loadd(6, b0 + k * 16, 64);
     _tile_dpbssd(0, 4, 6);
@@ -92,27 +169,57 @@ inline void block_product(const int8_t* a, int64_t lda, const int8_t* b0, const 
     _tile_dpbssd(2, 5, 6);
     _tile_dpbssd(3, 5, 7);
   }
-  constexpr int64_t ldc = AMX_N * sizeof(int32_t);
   _tile_stored(0, c, ldc);
   _tile_stored(1, c + 16, ldc);
   _tile_stored(2, c + 16 * AMX_N, ldc);
   _tile_stored(3, c + 16 * AMX_N + 16, ldc);
 }
 
-// dequantize() of cpu_kernels.cpp on one block: rows × cols of c (stride AMX_N) into out (stride ldo).
+// 16 float lanes stored as `store` stores each.
+inline void store16(Float16x v, float* out) { std::memcpy(out, &v, sizeof v); }
+inline void store16(Float16x v, BFloat16* out) {
+  const UInt16x word = (UInt16x)v;
+  const UInt16x nearest = (word + 0x7fffu + ((word >> 16) & 1u)) >> 16;
+  const UInt16x quiet = (word >> 16) | 0x40u;
+  const UInt16x bits = (word & 0x7fffffffu) > 0x7f800000u ? quiet : nearest;
+  const UInt16x16 half = __builtin_convertvector(bits, UInt16x16);
+  std::memcpy(out, &half, sizeof half);
+}
+inline void store16(Float16x v, _Float16* out) {
+  const Half16x half = __builtin_convertvector(v, Half16x);
+  std::memcpy(out, &half, sizeof half);
+}
+
+// dequantize() of cpu_kernels.cpp on one block: rows × cols of c (stride AMX_N) into out (stride ldo),
+// 16 lanes at a time where the block is whole.
 template <typename Out>
 inline void block_epilogue(const int32_t* c, int64_t rows, int64_t cols, const float* row_scale, int64_t row_scale_stride,
-                           const float* column, const float* bias, Out* out, int64_t ldo) {
+                           const float* column, const float* bias, Out* out, int64_t ldo, bool stream) {
   for (int64_t r = 0; r < rows; ++r) {
     const float s = row_scale[r * row_scale_stride];
     const int32_t* a = c + r * AMX_N;
     Out* o = out + r * ldo;
-    if (bias != nullptr) {
-#pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) store(float(a[j]) * (s * column[j]) + bias[j], o + j);
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) store(float(a[j]) * (s * column[j]), o + j);
+    if (cols == AMX_N) {
+      alignas(64) Out values[AMX_N];
+      for (int64_t j = 0; j < AMX_N; j += 16) {
+        Int16x sums;
+        std::memcpy(&sums, a + j, sizeof sums);
+        Float16x v = __builtin_convertvector(sums, Float16x) * (s * load16(column + j));
+        if (bias != nullptr) v += load16(bias + j);
+        store16(v, values + j);
+      }
+      if (stream && (reinterpret_cast<uintptr_t>(o) & 63) == 0) {
+        for (size_t line = 0; line < sizeof values / 64; ++line) {
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(o) + line, _mm512_load_si512(reinterpret_cast<const __m512i*>(values) + line));
+        }
+      } else {
+        std::memcpy(o, values, sizeof values);
+      }
+      continue;
+    }
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = float(a[j]) * (s * column[j]);
+      store(bias != nullptr ? v + bias[j] : v, o + j);
     }
   }
 }
@@ -131,12 +238,16 @@ void amx_matmul_dequantize(const int8_t* a, int64_t m, int64_t k, int64_t sam, i
   const int64_t groups = (m + group - 1) / group;
   // A read in place where its tiles are whole rows of 64 values; else each group is copied, padded.
   const bool direct = sak == 1 && k == kp;
+  // An output larger than the caches goes around them: a store that allocates its line reads it first.
+  const bool stream = m * n * int64_t(sizeof(Out)) > AMX_STREAM_BYTES;
 #pragma omp parallel
   {
     configure_tiles();
     std::vector<float> column(n);
     for (int64_t j = 0; j < n; ++j) column[j] = col_scale[j * col_scale_stride] / divisor;
     std::vector<int8_t> panel((direct ? AMX_M : group) * kp);  // in place, the last rows short of 32
+    // A panel's int32 sums between chunks of the contraction, where it has more than one.
+    std::vector<int32_t> sums(kp > AMX_KC ? group * AMX_NP : 0);
     alignas(64) int32_t c[AMX_M * AMX_N];
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
@@ -145,20 +256,31 @@ void amx_matmul_dequantize(const int8_t* a, int64_t m, int64_t k, int64_t sam, i
       if (whole < count) {
         pack_a(a, first + whole, count - whole, k, sam, sak, kp, panel.data());
       }
-      for (int64_t r0 = 0; r0 < count; r0 += AMX_M) {
-        const bool in_place = r0 < whole;
-        const int8_t* rows_a = in_place ? a + (first + r0) * sam : panel.data() + (r0 - whole) * kp;
-        const int64_t row = first + r0;
-        for (int64_t j0 = 0; j0 < n; j0 += AMX_N) {
-          const int8_t* b0 = packed_b + (j0 / 16) * kp * 16;
-          const int8_t* b1 = b0 + kp * 16;
-          const int64_t cols = std::min(AMX_N, n - j0);
-          block_product(rows_a, in_place ? sam : kp, b0, b1, kp, c);
-          block_epilogue(c, std::min(AMX_M, count - r0), cols, row_scale + row * row_scale_stride, row_scale_stride,
-                         column.data() + j0, bias == nullptr ? nullptr : bias + j0, out + row * n + j0, n);
+      // For each panel of AMX_NP columns and chunk of AMX_KC contraction values, B's chunk of a column
+      // block is read from cache by each of the group's row blocks in turn, and the panel's sums stay in L2.
+      for (int64_t jp = 0; jp < n; jp += AMX_NP) {
+        for (int64_t k0 = 0; k0 < kp; k0 += AMX_KC) {
+          const int64_t k1 = std::min(kp, k0 + AMX_KC);
+          for (int64_t j0 = jp; j0 < std::min(n, jp + AMX_NP); j0 += AMX_N) {
+            const int8_t* b0 = packed_b + (j0 / 16) * kp * 16;
+            const int8_t* b1 = b0 + kp * 16;
+            const int64_t cols = std::min(AMX_N, n - j0);
+            for (int64_t r0 = 0; r0 < count; r0 += AMX_M) {
+              const bool in_place = r0 < whole;
+              const int8_t* rows_a = in_place ? a + (first + r0) * sam : panel.data() + (r0 - whole) * kp;
+              int32_t* partial = sums.data() + (r0 * AMX_NP + (j0 - jp) * AMX_M);
+              if (k0 > 0 && k1 == kp) std::memcpy(c, partial, sizeof c);
+              block_product(rows_a, in_place ? sam : kp, b0, b1, k0, k1, k0 == 0, k1 == kp ? c : partial);
+              if (k1 < kp) continue;
+              const int64_t row = first + r0;
+              block_epilogue(c, std::min(AMX_M, count - r0), cols, row_scale + row * row_scale_stride, row_scale_stride,
+                             column.data() + j0, bias == nullptr ? nullptr : bias + j0, out + row * n + j0, n, stream);
+            }
+          }
         }
       }
     }
+    if (stream) _mm_sfence();  // this thread's streamed lines, before the region's barrier
     _tile_release();
   }
 }
