@@ -4,7 +4,8 @@
 //
 // torch._int_mm runs oneDNN's gemm API on AVX512-VNNI even where the CPU has AMX, at about the rate of
 // an AMX bf16 product, so that an int8 product gained nothing over bf16 there. This kernel takes int8
-// operands of any strides and writes the scaled output: no int32 product is ever written to memory.
+// operands of any strides and writes the scaled output: the int32 sums stay in tiles, or, for a
+// contraction longer than one chunk, in a panel of them that stays in L2.
 // Compiled only where Inductor's vector ISA enables AMX (-mamx-tile -mamx-int8); hot_amx_compiled()
 // says whether it was.
 

@@ -1,5 +1,5 @@
 """HOT's transforms and quantizers on the CPU as fused native loops (``cpu_primitives.cpp``, ``cpu_kernels.cpp``,
-``cpu_encode.cpp``).
+``cpu_encode.cpp``, ``cpu_amx.cpp``).
 
 Compiled by Inductor, the aten composites of :mod:`hot_compile.runtime.aten_impl` spent most of a CPU backward
 outside the integer GEMM (the MLP block under bf16 autocast, Zen 4: 300 ms of 480, against 162 ms in
@@ -11,8 +11,9 @@ per-slice scale a second pass over it, and each dequantize a pass over a fresh i
 * :func:`quantize_columns` applies a ``[r, 16]`` basis to each block of 16 rows (the Hadamard
   matrix for HQ's weight, the low-pass Walsh rows for HLA and ABC) in two reads: the per-column
   statistics, then the quantization, recomputing the transform rather than storing it;
-* :func:`matmul_dequantized` runs the integer GEMM in row chunks and scales each chunk's int32
-  product into the output dtype, so no product-sized int32 buffer is ever allocated;
+* :func:`matmul_dequantized` runs the integer GEMM and scales its int32 sums into the output dtype,
+  so no product-sized int32 buffer is ever allocated: on AMX tiles (``cpu_amx.cpp``) where
+  :func:`amx_int8`, else ``torch._int_mm`` in row chunks;
 * :func:`encode_rows` and :func:`encode_derivative` code a saved activation (``compress_saved``) one
   row at a time, in two reads of the row: its range, then its codes.
 
@@ -249,8 +250,9 @@ def matmul_dequantized(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``matmul(a, b) · row_scale · col_scale / divisor (+ bias)`` in ``out_dtype``: ``a: [M, K]``,
-    ``b: [K, N]`` int8, ``matmul`` their exact int32 product (:func:`hot_compile.runtime.int8_gemm.int8_matmul`),
-    ``row_scale`` ``[M]``-sized or one value, ``col_scale`` ``[N]``-sized or one value (float32,
+    ``b: [K, N]`` int8 (any strides), ``matmul`` their exact int32 product
+    (:func:`hot_compile.runtime.int8_gemm.int8_matmul`; where :func:`amx_int8`, HOT's AMX kernel computes
+    the same exact sums instead and ``matmul`` is not called), ``row_scale`` ``[M]``-sized or one value, ``col_scale`` ``[N]``-sized or one value (float32,
     contiguous), ``bias`` ``[N]`` of any float dtype."""
     lib = _library()
     m, n = a.shape[0], b.shape[1]
