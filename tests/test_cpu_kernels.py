@@ -182,6 +182,27 @@ def test_amx_product_is_the_chunked_one_exactly(monkeypatch, out_dtype, shape):
     assert torch.equal(amx_without_bias, product(a, b))
 
 
+def test_cpu_ops_run_the_amx_gemm_where_the_cpu_has_it(monkeypatch):
+    """With AMX, HOT's ops never call ``torch._int_mm``, and their gradients are the chunked path's."""
+    if not cpu_kernels.amx_int8():
+        pytest.skip("HOT's AMX GEMM needs AMX-INT8 and a build of the library with it")
+    g, w, x = make("gaussian", 100, 48, 0), make("gaussian", 48, 40, 1), make("gaussian", 100, 40, 2)
+    xq, xs = ops.compress_activation(x, 16, 8, True)
+
+    def grads():
+        return ops.hq_grad_input(g, w, SEED, 8, 8, True, True, "per_channel"), ops.hla_grad_weight(g, xq, xs, SEED, 16, 8, True, torch.float32)
+
+    with monkeypatch.context() as chunked:
+        chunked.setattr(cpu_kernels, "amx_int8", lambda: False)
+        expected = grads()
+
+    def no_int_mm(*args):
+        raise AssertionError("torch._int_mm called where the AMX kernel runs")
+
+    monkeypatch.setattr(torch, "_int_mm", no_int_mm)
+    assert all(torch.equal(a, b) for a, b in zip(grads(), expected))
+
+
 def test_cpu_ops_run_the_fused_kernels(monkeypatch):
     """On the CPU each op runs its kernels, not the shape-generic compile of the composites."""
     calls = []
