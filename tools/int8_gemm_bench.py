@@ -21,6 +21,7 @@ import json
 import pathlib
 import statistics
 import time
+import unittest.mock
 
 import torch
 
@@ -44,20 +45,16 @@ SHAPES = (
 )
 
 
-def _operand(rows: int, cols: int, layout: str, dtype=torch.int8) -> torch.Tensor:
+def _operand(rows: int, cols: int, layout: str) -> torch.Tensor:
     if layout == "cols":
-        return torch.randint(-127, 128, (cols, rows), dtype=torch.int8).to(dtype).t()
-    return torch.randint(-127, 128, (rows, cols), dtype=torch.int8).to(dtype)
+        return torch.randint(-127, 128, (cols, rows), dtype=torch.int8).t()
+    return torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
 
 
 def _on_int_mm_chunks(*args) -> torch.Tensor:
     """``matmul_dequantized`` on ``torch._int_mm`` in row chunks, where it would run the AMX kernel."""
-    amx_int8 = cpu_kernels.amx_int8
-    cpu_kernels.amx_int8 = lambda: False
-    try:
+    with unittest.mock.patch.object(cpu_kernels, "amx_int8", lambda: False):
         return cpu_kernels.matmul_dequantized(*args)
-    finally:
-        cpu_kernels.amx_int8 = amx_int8
 
 
 def measure(repeats: int) -> list[dict]:

@@ -176,23 +176,8 @@ inline void block_product(const int8_t* a, int64_t lda, const int8_t* b0, const 
   _tile_stored(3, c + 16 * AMX_N + 16, ldc);
 }
 
-// 16 float lanes stored as `store` stores each.
-inline void store16(Float16x v, float* out) { std::memcpy(out, &v, sizeof v); }
-inline void store16(Float16x v, BFloat16* out) {
-  const UInt16x word = (UInt16x)v;
-  const UInt16x nearest = (word + 0x7fffu + ((word >> 16) & 1u)) >> 16;
-  const UInt16x quiet = (word >> 16) | 0x40u;
-  const UInt16x bits = (word & 0x7fffffffu) > 0x7f800000u ? quiet : nearest;
-  const UInt16x16 half = __builtin_convertvector(bits, UInt16x16);
-  std::memcpy(out, &half, sizeof half);
-}
-inline void store16(Float16x v, _Float16* out) {
-  const Half16x half = __builtin_convertvector(v, Half16x);
-  std::memcpy(out, &half, sizeof half);
-}
-
-// dequantize() of cpu_kernels.cpp on one block: rows × cols of c (stride AMX_N) into out (stride ldo),
-// 16 lanes at a time where the block is whole.
+// dequantize_row() of cpu_kernels.cpp on one block: rows × cols of c (stride AMX_N) into out (stride ldo),
+// a whole row of the block through a line-aligned buffer, so that it can be streamed.
 template <typename Out>
 inline void block_epilogue(const int32_t* c, int64_t rows, int64_t cols, const float* row_scale, int64_t row_scale_stride,
                            const float* column, const float* bias, Out* out, int64_t ldo, bool stream) {
@@ -202,13 +187,7 @@ inline void block_epilogue(const int32_t* c, int64_t rows, int64_t cols, const f
     Out* o = out + r * ldo;
     if (cols == AMX_N) {
       alignas(64) Out values[AMX_N];
-      for (int64_t j = 0; j < AMX_N; j += 16) {
-        Int16x sums;
-        std::memcpy(&sums, a + j, sizeof sums);
-        Float16x v = __builtin_convertvector(sums, Float16x) * (s * load16(column + j));
-        if (bias != nullptr) v += load16(bias + j);
-        store16(v, values + j);
-      }
+      dequantize_row(a, AMX_N, s, column, bias, values);
       if (stream && (reinterpret_cast<uintptr_t>(o) & 63) == 0) {
         for (size_t line = 0; line < sizeof values / 64; ++line) {
           _mm512_stream_si512(reinterpret_cast<__m512i*>(o) + line, _mm512_load_si512(reinterpret_cast<const __m512i*>(values) + line));
@@ -218,10 +197,7 @@ inline void block_epilogue(const int32_t* c, int64_t rows, int64_t cols, const f
       }
       continue;
     }
-    for (int64_t j = 0; j < cols; ++j) {
-      const float v = float(a[j]) * (s * column[j]);
-      store(bias != nullptr ? v + bias[j] : v, o + j);
-    }
+    dequantize_row(a, cols, s, column, bias, o);
   }
 }
 

@@ -252,6 +252,18 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
   }
 }
 
+// One row of the dequantize: out[c] = a[c] · (s · column[c]) (+ bias[c]), column[c] = col_scale[c] / divisor.
+template <typename Out>
+inline void dequantize_row(const int32_t* a, int64_t cols, float s, const float* column, const float* bias, Out* o) {
+  if (bias != nullptr) {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) store(float(a[c]) * (s * column[c]) + bias[c], o + c);
+  } else {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) store(float(a[c]) * (s * column[c]), o + c);
+  }
+}
+
 template <typename Out>
 void dequantize(const int32_t* acc, int64_t rows, int64_t cols, int64_t acc_stride, const float* row_scale,
                 int64_t row_scale_stride, const float* col_scale, int64_t col_scale_stride, float divisor,
@@ -262,16 +274,7 @@ void dequantize(const int32_t* acc, int64_t rows, int64_t cols, int64_t acc_stri
     for (int64_t c = 0; c < cols; ++c) column[c] = col_scale[c * col_scale_stride] / divisor;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const float s = row_scale[r * row_scale_stride];
-      const int32_t* a = acc + r * acc_stride;
-      Out* o = out + r * cols;
-      if (bias != nullptr) {
-#pragma omp simd
-        for (int64_t c = 0; c < cols; ++c) store(float(a[c]) * (s * column[c]) + bias[c], o + c);
-      } else {
-#pragma omp simd
-        for (int64_t c = 0; c < cols; ++c) store(float(a[c]) * (s * column[c]), o + c);
-      }
+      dequantize_row(acc + r * acc_stride, cols, row_scale[r * row_scale_stride], column.data(), bias, out + r * cols);
     }
   }
 }
