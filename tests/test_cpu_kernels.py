@@ -114,7 +114,7 @@ def test_encode_rows_reads_any_layout_as_the_reference(dtype, layout, in_place):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_derivative_code_is_the_reference_and_unbiased(dtype):
-    f = (make("gaussian", 8, 90, 0) * 3).sigmoid().to(dtype)  # a derivative-like range, 90 = 2 pairs of vectors and a tail
+    f = (make("gaussian", 8, 90, 0) * 3).sigmoid().to(dtype)  # a derivative-like range; rows of 90 start on and off a multiple of 32 noise indices
     f[:, :4] = 0
     exact = f.double()
     draws = []

@@ -139,14 +139,17 @@ def _mix32_reference(h: int) -> int:
 
 @pytest.mark.parametrize("seed, salt", [(0, 0), (7, 1), (2**31 - 2, 2), (123456789, 5)])
 def test_hash_uniform_is_the_32bit_formula_eager_and_compiled(seed, salt):
-    # The int32-lane implementation must give exactly the unsigned 32-bit words of the formula.
+    # The int32-lane implementation must give exactly the unsigned 32-bit words of the formula: the
+    # indices 32a + c and 32a + 16 + c share the word 16a + c, whose hash gives the low and the high
+    # 16 bits of their noise.
     like = torch.empty(3, 37)
-    words = [
-        _mix32_reference((i * 0x85EBCA6B + seed * 0x61C88647 + salt * 0x3C6EF372) & 0xFFFFFFFF)
-        for i in range(like.numel())
-    ]
+    expected = []
+    for i in range(like.numel()):
+        word = (i >> 5) * 16 + i % 16
+        h = _mix32_reference((word * 0x85EBCA6B + seed * 0x61C88647 + salt * 0x3C6EF372) & 0xFFFFFFFF)
+        expected.append(((h >> (i & 16)) & 0xFFFF) / 2**16)
     u = quant.hash_uniform(like, torch.tensor(seed), salt)
-    assert u.flatten().tolist() == [(w >> 8) / 2**24 for w in words]
+    assert u.flatten().tolist() == expected
     compiled = torch.compile(quant.hash_uniform, backend="inductor", fullgraph=True)
     big = torch.empty(300, 77)
     assert torch.equal(compiled(big, torch.tensor(seed), salt), quant.hash_uniform(big, torch.tensor(seed), salt))

@@ -48,45 +48,49 @@ void rows_encode(const T* x, const int64_t* size, const int64_t* stride, const i
 }
 
 // aten_impl.encode_derivative: each row's values as 4-bit codes q over [lo, lo + 15·step], with
-// step = (max − min) / 14 (a zero step becomes 1) and lo = step·⌊min / step⌋, q = ⌊(v − lo) / step + u⌋
+// step = (max − min) / 14 (a zero step becomes 1) and lo = step·⌊min / step⌋, q = ⌊(v − lo)·(1/step) + u⌋
 // at most 15 (u: the hash noise of the value's flat index), two codes a byte as quant.pack_nibbles
 // packs them: element i in the low nibble of byte i, element cols/2 + i in the high one.
 template <typename T>
 void derivative_encode(const T* x, int64_t rows, int64_t cols, uint32_t offset, uint8_t* packed, float* lo_out,
                        float* step_out) {
   constexpr float TOP = 15.0f;
-  const UInt16x lane_words = UInt16x{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * INDEX_MULT;
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* v = x + r * cols;
-    float least = INFINITY, most = -INFINITY;
-    int nan = 0;
+  const int64_t half = cols / 2;
+#pragma omp parallel
+  {
+    std::vector<uint8_t> codes(cols);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* v = x + r * cols;
+      float least = INFINITY, most = -INFINITY;
+      int nan = 0;
 #pragma omp simd reduction(min : least) reduction(max : most) reduction(| : nan)
-    for (int64_t c = 0; c < cols; ++c) {
-      const float f = to_float(v[c]);
-      least = f < least ? f : least;
-      most = f > most ? f : most;
-      nan |= f != f;
-    }
-    float step = nan ? std::nanf("") : (most - least) / (TOP - 1.0f);
-    step = step == 0.0f ? 1.0f : step;
-    const float lo = std::floor(least / step) * step;
-    lo_out[r] = lo;
-    step_out[r] = step;
-    uint8_t* out = packed + r * (cols / 2);
-    const uint32_t first = uint32_t(r * cols);
-    auto levels = [&](int64_t c, int64_t stop) {  // the codes of columns c.. (below stop), as int32 lanes
-      const Float16x f = c + 16 <= stop ? load16(v + c) : load16(v + c, stop - c);
-      const Float16x y = (f - lo) / step + uniform_of_words(lane_words + ((first + uint32_t(c)) * INDEX_MULT + offset));
-      Int16x l = __builtin_convertvector(y, Int16x);  // floor, as y ≥ 0
-      l = l < int32_t(TOP) ? l : int32_t(TOP);
-      return l > 0 ? l : 0;
-    };
-    const int64_t half = cols / 2;
-    for (int64_t c = 0; c < half; c += 16) {
-      const Int16x pairs = levels(c, half) | (levels(half + c, cols) << 4);
-      const UInt8x16 bytes = __builtin_convertvector(pairs, UInt8x16);
-      std::memcpy(out + c, &bytes, std::min<int64_t>(16, half - c));
+      for (int64_t c = 0; c < cols; ++c) {
+        const float f = to_float(v[c]);
+        least = f < least ? f : least;
+        most = f > most ? f : most;
+        nan |= f != f;
+      }
+      float step = nan ? std::nanf("") : (most - least) / (TOP - 1.0f);
+      step = step == 0.0f ? 1.0f : step;
+      const float lo = std::floor(least / step) * step, inverse = 1.0f / step;
+      lo_out[r] = lo;
+      step_out[r] = step;
+      auto vector = [&](int64_t c, Float16x noise) {
+        Int16x l = __builtin_convertvector((load16(v + c) - lo) * inverse + noise, Int16x);  // floor, as y ≥ 0
+        l = l < int32_t(TOP) ? l : int32_t(TOP);
+        l = l > 0 ? l : 0;
+        const UInt8x16 bytes = __builtin_convertvector(l, UInt8x16);
+        std::memcpy(codes.data() + c, &bytes, sizeof bytes);
+      };
+      auto scalar = [&](int64_t c, float noise) {
+        const float l = std::floor((to_float(v[c]) - lo) * inverse + noise);
+        codes[c] = uint8_t(l > 0.0f ? (l < TOP ? l : TOP) : 0.0f);  // a NaN gives 0, as the vector lanes do
+      };
+      with_noise(cols, uint32_t(r * cols), offset, vector, scalar);
+      uint8_t* out = packed + r * half;
+#pragma omp simd
+      for (int64_t c = 0; c < half; ++c) out[c] = uint8_t(codes[c] | (codes[half + c] << 4));
     }
   }
 }

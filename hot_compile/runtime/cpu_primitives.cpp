@@ -92,7 +92,8 @@ inline Float16x load16(const T* x, int64_t count, int64_t stride = 1) {
 inline Float16x magnitude(Float16x v) { return (Float16x)((Int16x)v & 0x7fffffff); }
 
 // hot_compile/runtime/quant.py's hash_uniform: the noise of flat index `index` under `offset`
-// (seed·SEED_MULT + salt·SALT_MULT, mod 2**32).
+// (seed·SEED_MULT + salt·SALT_MULT, mod 2**32). The values 32a + c and 32a + 16 + c (c < 16) share the
+// word 16a + c: the low and the high 16 bits of its hash.
 template <typename Word>  // uint32_t, or UInt16x for 16 lanes at once
 inline Word mix32(Word h) {
   h ^= h >> 16;
@@ -103,14 +104,35 @@ inline Word mix32(Word h) {
 }
 constexpr uint32_t INDEX_MULT = 0x85EBCA6Bu;
 inline float hash_uniform(uint32_t index, uint32_t offset) {
-  return float(mix32(index * INDEX_MULT + offset) >> 8) * (1.0f / 16777216.0f);
+  const uint32_t word = ((index >> 1) & ~15u) | (index & 15u);
+  return float((mix32(word * INDEX_MULT + offset) >> (index & 16u)) & 0xffffu) * (1.0f / 65536.0f);
 }
-// The noise of 16 lanes from their words index·INDEX_MULT + offset (mod 2**32), which a caller steps by
-// an addition from one group of 16 indices to the next.
-inline Float16x uniform_of_words(UInt16x words) {
-  // The top 24 bits convert exactly through int32, which has a vector instruction on AVX2 too.
-  const Int16x top = (Int16x)(mix32(words) >> 8);
-  return __builtin_convertvector(top, Float16x) * (1.0f / 16777216.0f);
+// The noise of the 32 values from index `first` (a multiple of 32): the first 16 from the low halves
+// of 16 hashes, the next 16 from their high halves, so that one hash serves two values.
+struct Uniform32 {
+  Float16x low, high;
+};
+inline Uniform32 uniform32(uint32_t first, uint32_t offset) {
+  const UInt16x lanes = UInt16x{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * INDEX_MULT;
+  const UInt16x h = mix32(lanes + ((first >> 1) * INDEX_MULT + offset));
+  // 16-bit halves convert exactly through int32, which has a vector instruction on AVX2 too.
+  return {__builtin_convertvector((Int16x)(h & 0xffffu), Float16x) * (1.0f / 65536.0f),
+          __builtin_convertvector((Int16x)(h >> 16), Float16x) * (1.0f / 65536.0f)};
+}
+// Visits `count` values whose noise indices run from `first`: `vector(c, u)` for the 16 values from c
+// with their noise, `scalar(c, u)` for one value. Where the indices run through a whole multiple of 32,
+// one hash gives the noise of two values (uniform32); the values before and after it go one by one.
+template <typename Vector, typename Scalar>
+inline void with_noise(int64_t count, uint32_t first, uint32_t offset, Vector&& vector, Scalar&& scalar) {
+  const int64_t lead = std::min<int64_t>(count, (32u - (first & 31u)) & 31u);
+  int64_t c = 0;
+  for (; c < lead; ++c) scalar(c, hash_uniform(first + uint32_t(c), offset));
+  for (; c + 32 <= count; c += 32) {
+    const Uniform32 u = uniform32(first + uint32_t(c), offset);
+    vector(c, u.low);
+    vector(c + 16, u.high);
+  }
+  for (; c < count; ++c) scalar(c, hash_uniform(first + uint32_t(c), offset));
 }
 
 // A NaN wins, so that a NaN or Inf input leaves a non-finite scale.
@@ -122,10 +144,10 @@ inline float max_magnitude(float m, float v) {
 // One level: stochastic, sign(v)·floor(|v|/s + u); else round half to even, as torch.round.
 // `inverse` is 1/s.
 template <bool Stochastic>
-inline int8_t level(float v, float inverse, float qmax, uint32_t index, uint32_t offset) {
+inline int8_t level(float v, float inverse, float qmax, float noise) {
   float l;
   if constexpr (Stochastic) {
-    l = std::floor(std::fabs(v) * inverse + hash_uniform(index, offset));
+    l = std::floor(std::fabs(v) * inverse + noise);
     l = v < 0 ? -l : l;
   } else {
     l = std::nearbyint(v * inverse);
@@ -148,18 +170,14 @@ inline Int16x nearest_levels(Float16x y, Int16x top) {
 template <bool Stochastic, bool PerValue>
 inline void quantize_span(const float* v, const float* inverse, int64_t count, float qmax, uint32_t first,
                           uint32_t offset, int8_t* out) {
-  const UInt16x lane_words = UInt16x{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * INDEX_MULT;
   const Int16x top = Int16x{} + int32_t(qmax), bottom = -top;
-  int64_t c = 0;
-  for (; c + 16 <= count; c += 16) {
+  auto vector = [&](int64_t c, Float16x noise) {
     Float16x x, inv = Float16x{} + inverse[0];
     std::memcpy(&x, v + c, sizeof x);
     if constexpr (PerValue) std::memcpy(&inv, inverse + c, sizeof inv);
     Int16x l;
     if constexpr (Stochastic) {
-      const Float16x size = magnitude(x);
-      const Float16x y = size * inv + uniform_of_words(lane_words + ((first + uint32_t(c)) * INDEX_MULT + offset));
-      l = __builtin_convertvector(y, Int16x);  // floor, as y ≥ 0 (a NaN gives some int: see level)
+      l = __builtin_convertvector(magnitude(x) * inv + noise, Int16x);  // floor, as y ≥ 0 (a NaN gives some int: see level)
       l = l < top ? l : top;
       l = x < 0 ? -l : l;
     } else {
@@ -168,11 +186,14 @@ inline void quantize_span(const float* v, const float* inverse, int64_t count, f
     l = l > bottom ? l : bottom;
     const Int8x16 q = __builtin_convertvector(l, Int8x16);
     std::memcpy(out + c, &q, sizeof q);
-  }
-  const int64_t start = c;
-#pragma omp simd
-  for (int64_t i = start; i < count; ++i) {
-    out[i] = level<Stochastic>(v[i], PerValue ? inverse[i] : inverse[0], qmax, first + uint32_t(i), offset);
+  };
+  auto scalar = [&](int64_t c, float noise) { out[c] = level<Stochastic>(v[c], PerValue ? inverse[c] : inverse[0], qmax, noise); };
+  if constexpr (Stochastic) {
+    with_noise(count, first, offset, vector, scalar);
+  } else {
+    int64_t c = 0;
+    for (; c + 16 <= count; c += 16) vector(c, Float16x{});
+    for (; c < count; ++c) scalar(c, 0.0f);
   }
 }
 
