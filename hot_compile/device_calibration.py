@@ -60,6 +60,23 @@ def _fitted_transform_rate(profile: DeviceProfile, repeats: int, sites=FIT_SITES
     return denominator / numerator
 
 
+# The value a derivative code is measured on: a ViT-S/16 MLP's hidden activation at batch 32, in bf16 as
+# the pass saves GELU's derivative.
+CODE_SHAPE = (6272, 1536)
+
+
+def _stochastic_code_rate(profile: DeviceProfile, repeats: int, shape=CODE_SHAPE) -> float:
+    """``S``: the values/s that the CPU's derivative code (``cpu_kernels.encode_derivative``) rounds,
+    from its measured time less what :func:`~hot_compile.passes.cost_model.saved_compression_cost`
+    charges it apart from the rounding: the value's read ``numel·2 / R``, the codes' write and one call."""
+    value = torch.rand(shape).bfloat16()
+    numel = value.numel()
+    measured = median_seconds(lambda: cpu_kernels.encode_derivative(value, 0), repeats)
+    rest = numel * value.element_size() / profile.read_bw + profile.write_seconds(numel // 2) + profile.kernel_overhead
+    # As for the transform rate: noise alone can bring the other terms near a measurement.
+    return numel / max(measured - rest, measured / 4)
+
+
 def layer_site_costs(l: int, n: int, k: int, profile: DeviceProfile) -> dict[str, SiteCost]:
     """The cost model's estimates of the sites of one float32 ``Linear(k, n)`` on ``[l, k]``, at the
     default numerics resolved for ``profile``: its forward (where ``forward_bits`` rewrites it),
@@ -136,7 +153,8 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
     bandwidths, the per-call overhead, which precision runs the attention backward faster, the
     transform + quantize rate fitted to the compiled HQ op
-    (see :func:`_fitted_transform_rate`), then the per-op overhead fitted to training steps of small
+    (see :func:`_fitted_transform_rate`), the derivative code's rounding rate
+    (:func:`_stochastic_code_rate`), then the per-op overhead fitted to training steps of small
     layers (:func:`_fitted_op_overhead`)."""
     flops = {}
     for dtype in DTYPES:
@@ -190,5 +208,9 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         fp32_attention_backward=fp32_backward < bf16_backward,
         int8_fused_epilogue=fused_epilogue,
     )
-    measured = dataclasses.replace(measured, transform_rate=_fitted_transform_rate(measured, repeats))
+    measured = dataclasses.replace(
+        measured,
+        transform_rate=_fitted_transform_rate(measured, repeats),
+        stochastic_code_rate=_stochastic_code_rate(measured, repeats),
+    )
     return dataclasses.replace(measured, op_overhead=_fitted_op_overhead(measured, repeats))

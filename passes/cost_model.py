@@ -8,7 +8,8 @@ Profile rates: ``F`` float matmul FLOP/s of the dtype, ``I`` integer OP/s at the
 (:meth:`~hot_compile.runtime.devices.DeviceProfile.int8_rate`), ``R`` read bytes/s, ``W`` write bytes/s
 of a new buffer of that size (:meth:`~hot_compile.runtime.devices.DeviceProfile.write_seconds`: slower
 above glibc's mmap threshold on CPUs, where each page of a fresh mapping faults),
-``T`` fused transform+quantize outputs/s, ``c`` seconds per kernel call, ``o`` seconds per HOT op
+``T`` fused transform+quantize outputs/s, ``S`` values/s of a stochastic code without a transform
+(``T`` where the profile has no such rate), ``c`` seconds per kernel call, ``o`` seconds per HOT op
 call beyond its kernels (dispatch, and the cold caches it meets in a step).
 """
 
@@ -133,15 +134,15 @@ def saved_compression_cost(
 
     original = 0: the tensor is written in the forward and read in the backward either way;
     coded = the forward's row reductions ``numel·e / R`` (``e = c`` for a computed value, else ``b``)
-    and rounding, ``numel·e / R`` to nearest or ``numel / T`` stochastically (a hash and a rounding
-    per value, as HQ's quantizer), ``+ p / W`` + the backward's decoding ``p / R + numel·b / W`` +
+    and rounding, ``numel·e / R`` to nearest or ``numel / S`` stochastically
+    (:meth:`~hot_compile.runtime.devices.DeviceProfile.stochastic_code_seconds`), ``+ p / W`` + the backward's decoding ``p / R + numel·b / W`` +
     ``2c`` + ``o`` (the encoder is one of HOT's ops), plus, for a computed value, its write
     ``numel·c / W`` and no decoded write: its only readers multiply it by a gradient, and Inductor
     decodes it inside that multiply; saving ``numel·b − p`` bytes.
     """
     packed = numel * code_bits // 8 + 4 * scales * rows
     read = numel * (computed_bytes or elem_bytes) / profile.read_bw
-    rounding = numel / profile.transform_rate if stochastic else read
+    rounding = profile.stochastic_code_seconds(numel) if stochastic else read
     computed = profile.write_seconds(numel * computed_bytes) if computed_bytes else 0.0
     decoded = 0.0 if computed_bytes else profile.write_seconds(numel * elem_bytes)
     hot = (

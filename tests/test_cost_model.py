@@ -132,7 +132,7 @@ def test_calibrate_device_cli(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("HOT_CACHE_DIR", str(tmp_path))
     assert cli.main(["calibrate-device", "--size", "64", "--repeats", "1"]) == 0
     profile = devices.load_calibrated()
-    assert profile is not None and profile.int8_ops > 0
+    assert profile is not None and profile.int8_ops > 0 and profile.stochastic_code_rate > 0
     assert devices.resolve_profile(torch.device("cpu")) == profile
     assert "saved to" in capsys.readouterr().out
 
@@ -175,8 +175,8 @@ def test_each_hot_op_pays_the_op_overhead():
 def test_a_derivative_code_writes_the_derivative_and_no_decoded_value():
     """A derivative code costs the forward one more buffer than a row code of a value the forward
     writes anyway, the derivative itself at ``c`` bytes a value, which the encoder then reads and
-    rounds stochastically at the transform rate (a hash per value); the backward decodes it inside
-    the multiply that reads it, where a row code's decoded value is written (``numel·b`` bytes)."""
+    rounds stochastically at the profile's stochastic code rate; the backward decodes it inside the
+    multiply that reads it, where a row code's decoded value is written (``numel·b`` bytes)."""
     numel, rows, elem_bytes, computed_bytes = 6272 * 3072, 6272, 4, 2
     row_code = cost_model.saved_compression_cost(numel, rows, elem_bytes, 4, 2, CPU)
     derivative = cost_model.saved_compression_cost(
@@ -184,9 +184,22 @@ def test_a_derivative_code_writes_the_derivative_and_no_decoded_value():
     )
     written = CPU.write_seconds(numel * computed_bytes) - CPU.write_seconds(numel * elem_bytes)
     range_read = numel * (computed_bytes - elem_bytes) / CPU.read_bw
-    rounding = numel / CPU.transform_rate - numel * elem_bytes / CPU.read_bw
+    rounding = CPU.stochastic_code_seconds(numel) - numel * elem_bytes / CPU.read_bw
     assert derivative.hot_s - row_code.hot_s == pytest.approx(written + range_read + rounding)
     assert derivative.saved_bytes_after == row_code.saved_bytes_after
+
+
+def test_a_stochastic_code_rounds_at_its_own_rate_where_the_profile_has_one():
+    """The derivative code has no transform: a profile that measured its rate prices it at that rate,
+    one that did not at the transform rate (an upper bound: the transform's multiply-adds on top)."""
+    numel = 6272 * 3072
+    measured = dataclasses.replace(CPU, transform_rate=1e9, stochastic_code_rate=4e9)
+    assert measured.stochastic_code_seconds(numel) == pytest.approx(numel / 4e9)
+    assert dataclasses.replace(measured, stochastic_code_rate=None).stochastic_code_seconds(numel) == pytest.approx(numel / 1e9)
+    cost = lambda profile: cost_model.saved_compression_cost(numel, 6272, 4, 4, 2, profile, computed_bytes=2, stochastic=True).hot_s
+    assert cost(dataclasses.replace(measured, stochastic_code_rate=None)) - cost(measured) == pytest.approx(numel / 1e9 - numel / 4e9)
+    with pytest.raises(ValueError, match="positive"):
+        dataclasses.replace(CPU, stochastic_code_rate=0.0)
 
 
 def test_a_buffer_above_the_mmap_threshold_is_written_at_the_fresh_rate():

@@ -52,6 +52,10 @@ class DeviceProfile:
         int8_fused_epilogue: the integer product scales its int32 sums into the output as it goes, and
             writes no int32 product (HOT's AMX kernel, :func:`~hot_compile.runtime.cpu_kernels.amx_int8`);
             ``int8_ops`` is then that kernel's rate.
+        stochastic_code_rate: values/s that a stochastic code of a saved value (the derivative code of
+            :mod:`~hot_compile.passes.saved_activations`) rounds, beyond its reads and writes: a hash per
+            two values and a rounding, no transform. None: ``transform_rate``, which prices a transform
+            as well.
     """
 
     name: str
@@ -66,13 +70,14 @@ class DeviceProfile:
     fp32_attention_backward: bool = False
     fresh_write_bw: float | None = None
     int8_fused_epilogue: bool = False
+    stochastic_code_rate: float | None = None
 
     def __post_init__(self) -> None:
         missing = set(DTYPES) - set(self.matmul_flops)
         if missing:
             raise ValueError(f"DeviceProfile {self.name!r}: matmul_flops lacks {sorted(missing)}")
         numbers = [*self.matmul_flops.values(), self.int8_ops, self.read_bw, self.write_bw, self.transform_rate]
-        numbers += [v for v in (self.narrow_int8_ops, self.fresh_write_bw) if v is not None]
+        numbers += [v for v in (self.narrow_int8_ops, self.fresh_write_bw, self.stochastic_code_rate) if v is not None]
         if any(not (isinstance(v, (int, float)) and v > 0) for v in numbers) or min(self.kernel_overhead, self.op_overhead) < 0:
             raise ValueError(f"DeviceProfile {self.name!r}: rates must be positive numbers")
         object.__setattr__(self, "matmul_flops", dict(sorted(self.matmul_flops.items())))
@@ -85,6 +90,11 @@ class DeviceProfile:
         ``MMAP_THRESHOLD_BYTES`` where the profile has one, else at ``write_bw``."""
         large = self.fresh_write_bw is not None and nbytes > MMAP_THRESHOLD_BYTES
         return nbytes / (self.fresh_write_bw if large else self.write_bw)
+
+    def stochastic_code_seconds(self, numel: int) -> float:
+        """Seconds a stochastic code of a saved value spends rounding ``numel`` values, beyond its reads
+        and writes: at ``stochastic_code_rate`` where the profile has one, else at ``transform_rate``."""
+        return numel / (self.stochastic_code_rate or self.transform_rate)
 
     def int8_rate(self, bits: int) -> float:
         """OP/s of the integer product of two ``bits``-bit operands."""
@@ -137,6 +147,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             write_bw=4.0e10,  # 32-47 GB/s into new 4 and 16 MiB buffers
             fresh_write_bw=3.7e9,  # 3.3-3.9 GB/s into new 38 and 77 MiB ones: a page fault per page
             transform_rate=1.76e9,
+            stochastic_code_rate=6.1e9,  # the derivative code at [6272, 1536] bf16 (device_calibration.CODE_SHAPE)
             kernel_overhead=4.3e-6,
             op_overhead=1.5e-4,
             fp32_attention_backward=True,  # bf16 1.3x slower at ViT-S's attention shapes, 3-4x at MiniLM's
