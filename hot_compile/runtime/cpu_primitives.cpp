@@ -142,7 +142,7 @@ inline float max_magnitude(float m, float v) {
 }
 
 // One level: stochastic, sign(v)·floor(|v|/s + u); else round half to even, as torch.round.
-// `inverse` is 1/s.
+// `inverse` is 1/s, `noise` is u.
 template <bool Stochastic>
 inline int8_t level(float v, float inverse, float qmax, float noise) {
   float l;
@@ -177,7 +177,7 @@ inline void quantize_span(const float* v, const float* inverse, int64_t count, f
     if constexpr (PerValue) std::memcpy(&inv, inverse + c, sizeof inv);
     Int16x l;
     if constexpr (Stochastic) {
-      l = __builtin_convertvector(magnitude(x) * inv + noise, Int16x);  // floor, as y ≥ 0 (a NaN gives some int: see level)
+      l = __builtin_convertvector(magnitude(x) * inv + noise, Int16x);  // floor, as |x|/s + u ≥ 0 (a NaN gives some int: see level)
       l = l < top ? l : top;
       l = x < 0 ? -l : l;
     } else {

@@ -1,0 +1,120 @@
+"""HOT's CPU quantizers alone, at the operands of the bench models (``tools/bench.py``): the values
+per second of each kernel of HOT's C++ library that a rewritten step runs besides its GEMM.
+
+* ``rows SR``: ``cpu_kernels.quantize_rows`` with the block Hadamard transform and stochastic rounding,
+  one scale per row: HQ's gradient and the integer forward's activation;
+* ``rows RN``: the same rounding to nearest, for what the noise costs;
+* ``row code``: ``cpu_kernels.encode_rows``, the int8 code of a saved activation;
+* ``derivative code``: ``cpu_kernels.encode_derivative``, the 4-bit stochastic code of GELU's
+  derivative.
+
+With ``--against REV`` each kernel also runs on the library built from the C++ sources of git
+revision ``REV``, interleaved call by call with this tree's, so that a CPU whose rate moves from one
+second to the next (a VM sharing its cores) moves both alike.
+
+    python tools/quantizer_bench.py --out benchmarks/quantizers-spr --against f952d98
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import time
+import unittest.mock
+
+import torch
+
+from hot_compile.harness.bench import machine_info
+from hot_compile.harness.bench_report import machine_line
+from hot_compile.runtime import cpu_kernels
+
+# (operand, rows, columns): ViT-S's at 32 × 197 tokens and the MLP block's at 32 × 196.
+SHAPES = (("ViT fc1 output", 6304, 1536), ("ViT block input", 6304, 384), ("MLP fc1 output", 6272, 3072))
+
+
+def _kernels(x: torch.Tensor) -> dict:
+    width = x.shape[1]
+    return {
+        "rows SR": lambda: cpu_kernels.quantize_rows(x, 8, width=width, hadamard=True, per_row=True, stochastic=True, offset=1),
+        "rows RN": lambda: cpu_kernels.quantize_rows(x, 8, width=width, hadamard=True, per_row=True, stochastic=False),
+        "row code": lambda: cpu_kernels.encode_rows(x, 8),
+        "derivative code": lambda: cpu_kernels.encode_derivative(x, 1),
+    }
+
+
+def library_at(revision: str):
+    """HOT's C++ library built from the sources of git revision ``revision`` (Inductor's compiler and
+    flags, as :func:`cpu_kernels._load` builds this tree's)."""
+    from torch._inductor.codecache import CppCodeCache
+
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
+    sources = []
+    for path in cpu_kernels._SOURCES:
+        relative = path.resolve().relative_to(pathlib.Path(root).resolve())
+        sources.append(subprocess.run(["git", "show", f"{revision}:{relative}"], capture_output=True, text=True, check=True).stdout)
+    library = CppCodeCache.load("\n".join(sources), device_type="cpu")
+    for name, argtypes in cpu_kernels._SIGNATURES.items():
+        fn = getattr(library, name)
+        fn.argtypes, fn.restype = argtypes, cpu_kernels._RESULTS.get(name)
+    return library
+
+
+def measure(repeats: int, against) -> list[dict]:
+    libraries = {"this": cpu_kernels._library()} | ({"against": against} if against is not None else {})
+    rows = []
+    for name, m, n in SHAPES:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, n).to(dtype)
+            for kernel, call in _kernels(x).items():
+                times: dict[str, list[float]] = {tag: [] for tag in libraries}
+                for i in range(repeats + 2):
+                    for tag, library in libraries.items():
+                        with unittest.mock.patch.object(cpu_kernels, "_library", lambda library=library: library):
+                            start = time.perf_counter()
+                            call()
+                            if i >= 2:
+                                times[tag].append(time.perf_counter() - start)
+                rows.append(
+                    {"operand": name, "shape": [m, n], "dtype": str(dtype).removeprefix("torch."), "kernel": kernel}
+                    | {f"{tag}_ms": statistics.median(t) * 1e3 for tag, t in times.items()}
+                )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=25)
+    parser.add_argument("--against", help="a git revision whose C++ library runs beside this tree's")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = measure(args.repeats, library_at(args.against) if args.against else None)
+    command = "python tools/quantizer_bench.py --out " + args.out + (f" --against {args.against}" if args.against else "")
+    head = "| operand | shape | dtype | kernel | ms | 10⁹ values/s |" + (f" ms at {args.against} | this / {args.against} |" if args.against else "")
+    lines = [
+        machine_line(machine_info()),
+        "",
+        f"`{command}`; medians of {args.repeats} interleaved calls",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
+    for r in rows:
+        m, n = r["shape"]
+        cells = [r["operand"], f"{m} × {n}", r["dtype"], r["kernel"], f"{r['this_ms']:.2f}", f"{m * n / r['this_ms'] / 1e6:.2f}"]
+        if args.against:
+            cells += [f"{r['against_ms']:.2f}", f"{r['this_ms'] / r['against_ms']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quantizers.json").write_text(json.dumps({"against": args.against, "rows": rows}, indent=2))
+    (out / "quantizers.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
