@@ -77,7 +77,7 @@ void derivative_encode(const T* x, int64_t rows, int64_t cols, uint32_t offset, 
       lo_out[r] = lo;
       step_out[r] = step;
       auto vector = [&](int64_t c, Float16x noise) {
-        Int16x l = __builtin_convertvector((load16(v + c) - lo) * inverse + noise, Int16x);  // floor, as y ≥ 0
+        Int16x l = __builtin_convertvector((load16(v + c) - lo) * inverse + noise, Int16x);  // floor: v ≥ lo
         l = l < int32_t(TOP) ? l : int32_t(TOP);
         l = l > 0 ? l : 0;
         const UInt8x16 bytes = __builtin_convertvector(l, UInt8x16);
