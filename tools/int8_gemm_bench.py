@@ -20,12 +20,11 @@ import functools
 import json
 import pathlib
 import statistics
-import time
 import unittest.mock
 
 import torch
 
-from hot_compile.harness.bench import machine_info
+from hot_compile.harness.bench import interleaved_seconds, machine_info
 from hot_compile.harness.bench_report import machine_line
 from hot_compile.runtime import cpu_kernels, int8_gemm
 
@@ -68,13 +67,7 @@ def measure(repeats: int) -> list[dict]:
         calls = {"hot": lambda: cpu_kernels.matmul_dequantized(*args), "bf16": lambda: torch.mm(af, bf)}
         if cpu_kernels.amx_int8():
             calls["int_mm"] = lambda: _on_int_mm_chunks(*args)
-        times: dict[str, list[float]] = {key: [] for key in calls}
-        for i in range(repeats + 2):
-            for key, call in calls.items():
-                start = time.perf_counter()
-                call()
-                if i >= 2:
-                    times[key].append(time.perf_counter() - start)
+        times = interleaved_seconds(calls, repeats)
         rows.append(
             {"name": name, "m": m, "k": k, "n": n, "layout": [a_layout, b_layout]}
             | {f"{key}_ms": statistics.median(t) * 1e3 for key, t in times.items()}

@@ -22,12 +22,11 @@ import json
 import pathlib
 import statistics
 import subprocess
-import time
 import unittest.mock
 
 import torch
 
-from hot_compile.harness.bench import machine_info
+from hot_compile.harness.bench import interleaved_seconds, machine_info
 from hot_compile.harness.bench_report import machine_line
 from hot_compile.runtime import cpu_kernels
 
@@ -46,20 +45,23 @@ def _kernels(x: torch.Tensor) -> dict:
 
 
 def library_at(revision: str):
-    """HOT's C++ library built from the sources of git revision ``revision`` (Inductor's compiler and
-    flags, as :func:`cpu_kernels._load` builds this tree's)."""
-    from torch._inductor.codecache import CppCodeCache
+    """HOT's C++ library built from the sources of git revision ``revision``, as this tree's is built."""
+    root = pathlib.Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip())
+    sources = [
+        subprocess.run(["git", "show", f"{revision}:{path.resolve().relative_to(root.resolve())}"], capture_output=True, text=True, check=True).stdout
+        for path in cpu_kernels._SOURCES
+    ]
+    return cpu_kernels.bind(cpu_kernels.compile_sources(sources))
 
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
-    sources = []
-    for path in cpu_kernels._SOURCES:
-        relative = path.resolve().relative_to(pathlib.Path(root).resolve())
-        sources.append(subprocess.run(["git", "show", f"{revision}:{relative}"], capture_output=True, text=True, check=True).stdout)
-    library = CppCodeCache.load("\n".join(sources), device_type="cpu")
-    for name, argtypes in cpu_kernels._SIGNATURES.items():
-        fn = getattr(library, name)
-        fn.argtypes, fn.restype = argtypes, cpu_kernels._RESULTS.get(name)
-    return library
+
+def _on(library, call):
+    """``call`` with HOT's CPU ops on ``library``."""
+
+    def on_library():
+        with unittest.mock.patch.object(cpu_kernels, "_library", lambda: library):
+            call()
+
+    return on_library
 
 
 def measure(repeats: int, against) -> list[dict]:
@@ -69,14 +71,7 @@ def measure(repeats: int, against) -> list[dict]:
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(m, n).to(dtype)
             for kernel, call in _kernels(x).items():
-                times: dict[str, list[float]] = {tag: [] for tag in libraries}
-                for i in range(repeats + 2):
-                    for tag, library in libraries.items():
-                        with unittest.mock.patch.object(cpu_kernels, "_library", lambda library=library: library):
-                            start = time.perf_counter()
-                            call()
-                            if i >= 2:
-                                times[tag].append(time.perf_counter() - start)
+                times = interleaved_seconds({tag: _on(library, call) for tag, library in libraries.items()}, repeats)
                 rows.append(
                     {"operand": name, "shape": [m, n], "dtype": str(dtype).removeprefix("torch."), "kernel": kernel}
                     | {f"{tag}_ms": statistics.median(t) * 1e3 for tag, t in times.items()}

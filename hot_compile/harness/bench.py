@@ -34,6 +34,7 @@ import pathlib
 import platform
 import shlex
 import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -88,6 +89,19 @@ def matmul_gflops(size: int = PROBE_SIZE, repeats: int = 5) -> float:
     ratios within one run, its variants interleaved, do not."""
     a = torch.randn(size, size)
     return 2 * size**3 / median_seconds(lambda: a @ a, repeats) / 1e9
+
+
+def interleaved_seconds(calls: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of ``repeats`` calls of each of ``calls``, one of each in turn per round after ``warmup``
+    untimed rounds, so that a machine whose speed moves from one second to the next moves all alike."""
+    times: dict[str, list[float]] = {key: [] for key in calls}
+    for i in range(warmup + repeats):
+        for key, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if i >= warmup:
+                times[key].append(time.perf_counter() - start)
+    return times
 
 
 def _median_ms(values: list[float]) -> float:

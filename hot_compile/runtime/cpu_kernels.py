@@ -89,19 +89,30 @@ def _keep(built: str, path: pathlib.Path) -> None:
         pass
 
 
-def _load() -> ctypes.CDLL:
+def compile_sources(sources: list[str]) -> ctypes.CDLL:
+    """The library built from ``sources`` (the texts of ``_SOURCES``, in order) by Inductor's C++
+    toolchain, with the flags and vector ISA of its own CPU kernels, unbound."""
     from torch._inductor.codecache import CppCodeCache
 
-    path = library_path()
-    try:
-        library = ctypes.CDLL(str(path))
-    except OSError:
-        library = CppCodeCache.load("\n".join(p.read_text() for p in _SOURCES), device_type="cpu")
-        _keep(library._name, path)
+    return CppCodeCache.load("\n".join(sources), device_type="cpu")
+
+
+def bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """``library`` with the argument and result types of each exported kernel set."""
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, _RESULTS.get(name)
     return library
+
+
+def _load() -> ctypes.CDLL:
+    path = library_path()
+    try:
+        library = ctypes.CDLL(str(path))
+    except OSError:
+        library = compile_sources([p.read_text() for p in _SOURCES])
+        _keep(library._name, path)
+    return bind(library)
 
 
 def build() -> pathlib.Path:
