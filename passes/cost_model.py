@@ -123,35 +123,37 @@ def saved_compression_cost(
     code_bits: int,
     scales: int,
     profile: DeviceProfile,
-    computed_bytes: int = 0,
-    stochastic: bool = False,
+    derivative_bytes: int | None = None,
 ) -> SiteCost:
     """A saved activation of ``numel`` values in ``rows`` rows, kept as ``code_bits``-bit codes with
     ``scales`` float32 numbers a row (:mod:`~hot_compile.passes.saved_activations`) instead of ``b``
-    bytes a value; ``p = numel·code_bits/8 + 4·scales·rows`` bytes. ``computed_bytes`` (``c``): where
-    the code is of a value the forward computes for it alone (a derivative ``f(x)`` saved in place of
-    ``x``), that value's bytes a value; else 0. ``stochastic``: the codes are rounded with hash noise.
+    bytes a value; ``p = numel·code_bits/8 + 4·scales·rows`` bytes. ``derivative_bytes`` (``c``): None
+    for a code of the value itself, rounded to nearest; for the stochastic code of a derivative ``f(x)``
+    saved in place of ``x``, the bytes a value of the ``f(x)`` buffer the forward writes for the
+    encoder, or 0 where the encoder computes ``f(x)`` from ``x`` itself.
 
-    original = 0: the tensor is written in the forward and read in the backward either way;
-    coded = the forward's row reductions ``numel·e / R`` (``e = c`` for a computed value, else ``b``)
-    and rounding, ``numel·e / R`` to nearest or ``numel / S`` stochastically
-    (:meth:`~hot_compile.runtime.devices.DeviceProfile.stochastic_code_seconds`), ``+ p / W`` + the backward's decoding ``p / R + numel·b / W`` +
-    ``2c`` + ``o`` (the encoder is one of HOT's ops), plus, for a computed value, its write
-    ``numel·c / W`` and no decoded write: its only readers multiply it by a gradient, and Inductor
-    decodes it inside that multiply; saving ``numel·b − p`` bytes.
+    original = 0: the tensor is written in the forward and read in the backward either way, and a
+    derivative's evaluation moves from the backward into the forward (charged on neither side);
+    coded = the forward's row reductions ``numel·e / R`` (``e = c`` for a written derivative, else
+    ``b``) and rounding, ``numel·e / R`` to nearest or ``numel / S`` stochastically
+    (:meth:`~hot_compile.runtime.devices.DeviceProfile.stochastic_code_seconds`), ``+ p / W`` + the
+    backward's decoding ``p / R`` + ``2c`` + ``o`` (the encoder is one of HOT's ops); a value's code
+    adds its decoded write ``numel·b / W``, a derivative's the write of its buffer ``numel·c / W`` and
+    no decoded write (its only readers multiply it by a gradient, and Inductor decodes it inside that
+    multiply); saving ``numel·b − p`` bytes.
     """
     packed = numel * code_bits // 8 + 4 * scales * rows
-    read = numel * (computed_bytes or elem_bytes) / profile.read_bw
-    rounding = profile.stochastic_code_seconds(numel) if stochastic else read
-    computed = profile.write_seconds(numel * computed_bytes) if computed_bytes else 0.0
-    decoded = 0.0 if computed_bytes else profile.write_seconds(numel * elem_bytes)
+    read = numel * (derivative_bytes or elem_bytes) / profile.read_bw
+    if derivative_bytes is None:
+        rounding, written = read, profile.write_seconds(numel * elem_bytes)
+    else:
+        rounding, written = profile.stochastic_code_seconds(numel), profile.write_seconds(numel * derivative_bytes)
     hot = (
         read
         + rounding
         + profile.write_seconds(packed)
         + packed / profile.read_bw
-        + decoded
-        + computed
+        + written
         + 2 * profile.kernel_overhead
         + profile.op_overhead
     )

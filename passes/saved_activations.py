@@ -7,13 +7,13 @@ in the float dtype. This rewrite works on the partitioner's output, so its candi
 tensors the forward hands the backward. Each float intermediate becomes one of two codes:
 
 * **a 4-bit derivative** (after Few-Bit Backward, Novikov et al., ICML 2023): where the backward reads
-  ``x`` only through one pointwise function ``f(x)`` that multiplies a gradient (GELU's and SiLU's
-  derivatives, as Inductor's decomposition writes them), the forward computes ``f(x)`` (at most as
-  wide as bf16: :func:`derivative_dtype`) and saves it in 4 bits, two codes a byte, over each row's
+  ``x`` only through one pointwise function ``f(x)`` that multiplies a gradient
+  (:mod:`.pointwise_factor`), the forward saves ``f(x)`` in 4 bits, two codes a byte, over each row's
   range with stochastic rounding
-  (:func:`~hot_compile.runtime.quant.quantize_range_stochastic`): unbiased for that rounding of
-  ``f(x)``, every error below one step ``(max f − min f) / 14`` of its row plus the rounding's
-  2⁻⁹ of ``|f|``;
+  (:func:`~hot_compile.runtime.quant.quantize_range_stochastic`). For GELU's derivative (exact or
+  with tanh) the encoder computes ``f(x)`` from ``x`` in float32, a row at a time: unbiased, every error below
+  one step ``(max f − min f) / 14`` of its row. For another ``f`` the forward computes ``f(x)`` (at
+  most as wide as bf16: :func:`derivative_dtype`) for the encoder, whose rounding adds 2⁻⁹ of ``|f|``;
 * **int8 rows** otherwise: one float32 scale per row of at least :data:`MIN_ROW` values, round to
   nearest (``s = max|row| / 127``), dequantized where the backward first reads it; every error is at
   most half a level, ``max|row| / 254``.
@@ -33,10 +33,12 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..runtime import ops
+from ..runtime.aten_impl import GIVEN
 from ..runtime.quant import dequantize, unpack_nibbles
 from .cost_model import SiteCost
 from .inline import insert_traced
 from .legality import unsupported
+from .pointwise_factor import PointwiseFactor, pointwise_factor
 from .provenance import provenance
 from .report import SiteRow
 from .sites import WeightLike, module_path
@@ -62,22 +64,6 @@ _ATTENTION_BACKWARDS = (
     aten._scaled_dot_product_efficient_attention_backward.default,
     aten._scaled_dot_product_cudnn_attention_backward.default,
 )
-_MULTIPLY = (aten.mul.Tensor,)
-# Views a pointwise function may read its input through (Inductor's decomposition reshapes a linear's
-# 2-D output back to the activation's shape before the GELU).
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.squeeze.dim, aten.unsqueeze.default)
-
-
-@dataclasses.dataclass
-class PointwiseFactor:
-    """The backward's pointwise function ``f(x)`` of a saved ``x``: its nodes, in graph order, and the
-    node of ``f(x)``, whose every other reader multiplies it by a gradient."""
-
-    nodes: list[fx.Node]
-    value: fx.Node
-
-    def describe(self) -> str:
-        return "·".join(dict.fromkeys(str(n.target).removeprefix("aten.").split(".")[0] for n in self.nodes))
 
 
 @dataclasses.dataclass
@@ -148,45 +134,6 @@ def why_kept(node: fx.Node, placeholder: fx.Node, inner_outputs: set[fx.Node], w
         if fixed:
             return f"a strided view read by {fixed[0].target}, which needs its layout as it is"
     return None
-
-
-def _pointwise(node: fx.Node) -> bool:
-    return node.op == "call_function" and (node.target in _VIEWS or torch.Tag.pointwise in getattr(node.target, "tags", ()))
-
-
-def pointwise_factor(placeholder: fx.Node, position: dict[fx.Node, int]) -> PointwiseFactor | None:
-    """The one pointwise function of ``placeholder`` through which the backward reads it, where its
-    value only multiplies other tensors (a derivative times a gradient); None otherwise.
-
-    The function is the set of pointwise nodes (and views) computed from ``placeholder`` and
-    constants alone. It qualifies when every reader of ``placeholder`` is in it, one of its nodes
-    (``f(x)``, as many values as ``x``, an even number of them a row: two codes a byte) is read
-    outside it, and only by ``mul`` nodes. ``position``: the backward graph's nodes in order.
-    """
-    inside: set[fx.Node] = {placeholder}
-    nodes: list[fx.Node] = []
-    frontier = list(placeholder.users)
-    while frontier:  # users of the set whose every input is in it, until none is left
-        grown = [n for n in frontier if n not in inside and _pointwise(n) and all(a in inside for a in n.all_input_nodes)]
-        if not grown:
-            break
-        inside.update(grown)
-        nodes.extend(grown)
-        frontier = [u for n in grown for u in n.users]
-    if not nodes or any(u not in inside for u in placeholder.users):
-        return None
-    read_outside = [n for n in nodes if any(u not in inside for u in n.users)]
-    if len(read_outside) != 1:
-        return None
-    (value,) = read_outside
-    val, x = value.meta.get("val"), placeholder.meta["val"]
-    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dim() == 0:
-        return None
-    if not statically_known_true(val.numel() == x.numel()) or not statically_known_true(val.shape[-1] % 2 == 0):
-        return None
-    if any(u.target not in _MULTIPLY for u in value.users if u not in inside):
-        return None
-    return PointwiseFactor(sorted(nodes, key=position.__getitem__), value)
 
 
 def find_saved_values(
@@ -260,13 +207,15 @@ def derivative_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
-def _derivative_encoder(dtype: torch.dtype):
+def _derivative_encoder(dtype: torch.dtype, function: str):
+    """The code of a derivative: ``function`` of the saved ``x`` (of ``dtype``), computed by the
+    encoder; or, for :data:`~hot_compile.runtime.aten_impl.GIVEN`, the value ``f(x)`` the forward wrote."""
     code_dtype = derivative_dtype(dtype)
 
-    def encode(fx_value: torch.Tensor):
-        if code_dtype.itemsize < fx_value.dtype.itemsize:
-            fx_value = fx_value.to(code_dtype)
-        return ops.encode_derivative(fx_value, ops.draw_seed(fx_value), DERIVATIVE_BITS)
+    def encode(value: torch.Tensor):
+        if function == GIVEN and code_dtype.itemsize < value.dtype.itemsize:
+            value = value.to(code_dtype)
+        return ops.encode_derivative(value, ops.draw_seed(value), DERIVATIVE_BITS, function)
 
     return encode
 
@@ -284,14 +233,17 @@ def _encode(graph: fx.Graph, s: SavedValue, created: list[fx.Node]) -> list[fx.N
     if s.factor is None:
         encode = _encoder_rows(_order(s.forward.meta["val"]))
         return list(insert_traced(graph, encode, [s.forward], before=s.forward.next, meta=meta, created=created))
+    factor = s.factor
+    # The encoder computes a known derivative from x itself; for another f the forward computes f(x).
+    known = factor.function != GIVEN
     env = {s.backward: s.forward}
     with graph.inserting_before(s.forward.next):
-        for node in s.factor.nodes:  # f(x), moved from the backward into the forward
+        for node in factor.reads_through if known else factor.nodes:  # moved from the backward into the forward
             env[node] = graph.node_copy(node, env.__getitem__)
             env[node].meta.update(meta)
             created.append(env[node])
-    value = env[s.factor.value]
-    encode = _derivative_encoder(s.forward.meta["val"].dtype)
+    value = env[factor.reads_through[-1] if factor.reads_through else s.backward] if known else env[factor.value]
+    encode = _derivative_encoder(s.forward.meta["val"].dtype, factor.function)
     return list(insert_traced(graph, encode, [value], before=value.next, meta=meta, created=created))
 
 
@@ -366,8 +318,11 @@ def saved_row(s: SavedValue, cost: SiteCost | None) -> SiteRow:
         reason, numerics = "error ≤ max|row|/254", "INT8 per row, round to nearest"
     elif decision == DERIVATIVE:
         reason = f"the backward reads it only through f(x) = {s.factor.describe()}, times a gradient: f(x) is saved"
-        code_dtype = str(derivative_dtype(val.dtype)).removeprefix("torch.")
-        numerics = f"4-bit f(x) per row (min, step), stochastic rounding of f(x) in {code_dtype}"
+        if s.factor.function == GIVEN:
+            code_dtype = str(derivative_dtype(val.dtype)).removeprefix("torch.")
+            numerics = f"4-bit f(x) per row (min, step), stochastic rounding of f(x) in {code_dtype}"
+        else:
+            numerics = "4-bit f(x) per row (min, step), stochastic rounding of f(x) computed from x in float32 by the encoder"
     else:
         reason, numerics = s.reason, "-"
     return SiteRow(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from .cost_model import SiteCost, saved_compression_cost
+from ..runtime.aten_impl import GIVEN
 from .saved_activations import DERIVATIVE_BITS, ROW_BITS, SavedValue, derivative_dtype
 
 
@@ -17,8 +18,9 @@ def compression_cost(s: SavedValue, profile) -> SiteCost:
     rows = numel // max(optimization_hint(val.shape[-1]), 1) if val.dim() else 1
     if s.factor is None:
         return saved_compression_cost(numel, rows, val.element_size(), ROW_BITS, 1, profile)
-    width = derivative_dtype(val.dtype).itemsize
-    return saved_compression_cost(numel, rows, val.element_size(), DERIVATIVE_BITS, 2, profile, width, stochastic=True)
+    # A known derivative is computed by the encoder, from x; another f(x) is a buffer the forward writes.
+    width = 0 if s.factor.function != GIVEN else derivative_dtype(val.dtype).itemsize
+    return saved_compression_cost(numel, rows, val.element_size(), DERIVATIVE_BITS, 2, profile, derivative_bytes=width)
 
 
 def keep_over_budget(costed: list[tuple[SavedValue, SiteCost]], budget_s: float, why: str) -> None:

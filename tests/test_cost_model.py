@@ -179,14 +179,25 @@ def test_a_derivative_code_writes_the_derivative_and_no_decoded_value():
     multiply that reads it, where a row code's decoded value is written (``numel·b`` bytes)."""
     numel, rows, elem_bytes, computed_bytes = 6272 * 3072, 6272, 4, 2
     row_code = cost_model.saved_compression_cost(numel, rows, elem_bytes, 4, 2, CPU)
-    derivative = cost_model.saved_compression_cost(
-        numel, rows, elem_bytes, 4, 2, CPU, computed_bytes=computed_bytes, stochastic=True
-    )
+    derivative = cost_model.saved_compression_cost(numel, rows, elem_bytes, 4, 2, CPU, derivative_bytes=computed_bytes)
     written = CPU.write_seconds(numel * computed_bytes) - CPU.write_seconds(numel * elem_bytes)
     range_read = numel * (computed_bytes - elem_bytes) / CPU.read_bw
     rounding = CPU.stochastic_code_seconds(numel) - numel * elem_bytes / CPU.read_bw
     assert derivative.hot_s - row_code.hot_s == pytest.approx(written + range_read + rounding)
     assert derivative.saved_bytes_after == row_code.saved_bytes_after
+
+
+def test_a_derivative_the_encoder_computes_writes_no_buffer_and_reads_the_input():
+    """Where the encoder computes the derivative from ``x`` (``c = 0``), the forward writes no
+    derivative buffer (above the mmap threshold here, at the fresh-page rate), and the encoder reads
+    ``x`` at its own ``b`` bytes a value in place of the buffer's ``c``."""
+    numel, rows, elem_bytes = 6272 * 3072, 6272, 4
+    written = cost_model.saved_compression_cost(numel, rows, elem_bytes, 4, 2, CPU, derivative_bytes=2)
+    computed = cost_model.saved_compression_cost(numel, rows, elem_bytes, 4, 2, CPU, derivative_bytes=0)
+    buffer = CPU.write_seconds(numel * 2)
+    assert buffer == pytest.approx(numel * 2 / CPU.fresh_write_bw)
+    assert written.hot_s - computed.hot_s == pytest.approx(buffer - numel * (elem_bytes - 2) / CPU.read_bw)
+    assert computed.saved_bytes_after == written.saved_bytes_after and computed.original_s == 0.0
 
 
 def test_a_stochastic_code_rounds_at_its_own_rate_where_the_profile_has_one():
@@ -196,7 +207,7 @@ def test_a_stochastic_code_rounds_at_its_own_rate_where_the_profile_has_one():
     measured = dataclasses.replace(CPU, transform_rate=1e9, stochastic_code_rate=4e9)
     assert measured.stochastic_code_seconds(numel) == pytest.approx(numel / 4e9)
     assert dataclasses.replace(measured, stochastic_code_rate=None).stochastic_code_seconds(numel) == pytest.approx(numel / 1e9)
-    cost = lambda profile: cost_model.saved_compression_cost(numel, 6272, 4, 4, 2, profile, computed_bytes=2, stochastic=True).hot_s
+    cost = lambda profile: cost_model.saved_compression_cost(numel, 6272, 4, 4, 2, profile, derivative_bytes=2).hot_s
     assert cost(dataclasses.replace(measured, stochastic_code_rate=None)) - cost(measured) == pytest.approx(numel / 1e9 - numel / 4e9)
     with pytest.raises(ValueError, match="positive"):
         dataclasses.replace(CPU, stochastic_code_rate=0.0)

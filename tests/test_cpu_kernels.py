@@ -130,6 +130,47 @@ def test_derivative_code_is_the_reference_and_unbiased(dtype):
     assert rel_err(torch.stack(draws).mean(0), exact) < tol.SR_MEAN
 
 
+@pytest.mark.parametrize("function", sorted(aten_impl.DERIVATIVES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_derivative_computed_by_the_encoder_is_within_a_step_of_float64_and_unbiased(function, dtype):
+    """The encoder evaluates the derivative itself, in float32 (within DERIVATIVE_EVALUATION of the
+    exact one), so each decoded value is within one step of the float64 derivative of the input it
+    read, the mean of many draws converges to it, and the reference's codes decode to the same values
+    up to that step. Rows of 90 start on and off a multiple of 32 noise indices; the inputs reach
+    ±100, where every derivative saturates."""
+    x = (make("gaussian", 8, 90, 0) * 4).to(dtype)
+    x[:, :2] = torch.tensor([-100.0, 100.0]).to(dtype)
+    exact = aten_impl.DERIVATIVES[function](x.double())
+    draws = []
+    for s in range(tol.SR_DRAWS):
+        seed = torch.tensor(s)
+        packed, lo, step = cpu_kernels.encode_derivative(x, quant.noise_offset(seed, aten_impl.SALT_DERIVATIVE), function)
+        decoded = (lo + quant.unpack_nibbles(packed).float() * step).double()
+        bound = step.double() * (1 + tol.FP32_ROUNDINGS) + tol.DERIVATIVE_EVALUATION
+        assert ((decoded - exact).abs() < bound).all(), ((decoded - exact).abs() / bound).max()
+        if s < 4:
+            packed_ref, lo_ref, step_ref = aten_impl.encode_derivative(x, seed, bits=4, function=function)
+            reference = (lo_ref + quant.unpack_nibbles(packed_ref).float() * step_ref).double()
+            assert ((decoded - reference).abs() <= 2 * bound).all()
+        draws.append(decoded)
+    assert rel_err(torch.stack(draws).mean(0), exact) < tol.SR_MEAN
+
+
+@pytest.mark.parametrize("function", sorted(aten_impl.DERIVATIVES))
+def test_the_reference_derivatives_are_autograds(function):
+    """aten_impl.DERIVATIVES, which the encoder computes and the pass names a backward's function by,
+    are the float64 derivatives of the functions they are named after."""
+    module = {"gelu": torch.nn.GELU(), "gelu_tanh": torch.nn.GELU(approximate="tanh")}[function]
+    x = torch.linspace(-12, 12, 4001, dtype=torch.float64, requires_grad=True)
+    module(x).sum().backward()
+    assert torch.allclose(aten_impl.DERIVATIVES[function](x.detach()), x.grad, rtol=0, atol=1e-12)
+
+
+def test_an_unknown_derivative_is_refused_by_name():
+    with pytest.raises(ValueError, match="no derivative 'tanh'"):
+        ops.encode_derivative(torch.zeros(3, 4), SEED, 4, "tanh")
+
+
 def test_derivative_code_of_an_odd_row_is_refused():
     with pytest.raises(ValueError, match="odd size 5"):
         cpu_kernels.encode_derivative(torch.zeros(3, 5), 0)
@@ -222,7 +263,7 @@ def test_cpu_ops_run_the_fused_kernels(monkeypatch):
         original = getattr(cpu_kernels, name)
         monkeypatch.setattr(cpu_kernels, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     ops.encode_rows(x, 8)
-    ops.encode_derivative(x, SEED, 4)
+    ops.encode_derivative(x, SEED, 4, "gelu")
     assert calls == ["encode_rows", "encode_derivative"]
     assert ops._build_seconds == built
 

@@ -3,6 +3,7 @@ the codes against float64, the gradients each code gives within the bound of its
 compiled model saves."""
 
 import dataclasses
+import functools
 import math
 import types
 
@@ -16,10 +17,11 @@ from hot_compile import HotConfig
 from hot_compile.harness import models
 from hot_compile.inductor_pass import HotPassWarning
 from hot_compile.passes.cost_model import SiteCost
+from hot_compile.passes.provenance import META_KEY
 from hot_compile.passes.report import SiteRow
 from hot_compile.passes.saved_activations import DERIVATIVE, DERIVATIVE_BITS, INT8_ROWS
 from hot_compile.passes.saved_budget import keep_over_budget
-from hot_compile.runtime import quant
+from hot_compile.runtime import aten_impl, quant
 from tests import tolerances as tol
 from tests.data import make, rel_err
 from tests.harness import aot_compile
@@ -28,10 +30,6 @@ from tests.harness import aot_compile
 EXACT_PRODUCTS = dict(rewrite_gx=False, rewrite_gw=False, forward_bits=None)
 ON = dict(strict=True, policy="hot", compress_saved=True)
 SEED = torch.tensor(7)
-
-
-def _gelu_derivative(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (1 + torch.erf(x / math.sqrt(2))) + x * torch.exp(-x * x / 2) / math.sqrt(2 * math.pi)
 
 
 # ------------------------------------------------------------------------------------------ the codes
@@ -47,7 +45,7 @@ def test_int8_rows_are_within_half_a_level_of_float64(kind):
 
 
 def test_derivative_code_is_unbiased_within_a_step_and_codes_zero_exactly():
-    f = _gelu_derivative(make("gaussian", 16, 64, dtype=torch.float64) * 3)
+    f = aten_impl.DERIVATIVES["gelu"](make("gaussian", 16, 64, dtype=torch.float64) * 3)
     f[:, :4] = 0  # a saturated unit's derivative
     draws = []
     for s in range(tol.SR_DRAWS):
@@ -74,17 +72,6 @@ def test_two_codes_a_byte_round_trip_eager_and_compiled():
 # ----------------------------------------------------------------------------- gradients, per code
 
 
-class LinearGelu(nn.Module):
-    """``gelu(x Wᵀ + b)``: the backward reads the linear's output only through GELU's derivative."""
-
-    def __init__(self, dim=24, hidden=48):
-        super().__init__()
-        self.fc = nn.Linear(dim, hidden)
-
-    def forward(self, x):
-        return F.gelu(self.fc(x))
-
-
 class Bilinear(nn.Module):
     """``(x W₁ᵀ) ⊙ (x W₂ᵀ)``: each product's backward reads the other's output as it is."""
 
@@ -103,34 +90,74 @@ def _compiled_grads(model, x, gy, **options):
     return x.grad, graphs, hot_compile.last_report()
 
 
-def test_gelu_derivative_saved_in_4_bits_bounds_the_gradient_by_one_step():
+class LinearThen(nn.Module):
+    """``f(x Wᵀ + b)`` for a pointwise ``f``."""
+
+    def __init__(self, function, dim=24, hidden=48):
+        super().__init__()
+        self.fc, self.function = nn.Linear(dim, hidden), function
+
+    def forward(self, x):
+        return self.function(self.fc(x))
+
+
+def _derivative_step(function):
     torch.manual_seed(0)
-    model, x, gy = LinearGelu(), torch.randn(64, 24) * 2, torch.randn(64, 48)
+    model, x, gy = LinearThen(function), torch.randn(64, 24) * 2, torch.randn(64, 48)
     grad, graphs, report = _compiled_grads(model, x, gy)
     (row,) = report.select(path="saved")
-    assert row.decision == DERIVATIVE and "erf" in row.reason
+    assert row.decision == DERIVATIVE
     assert row.saved_bytes_after == 64 * 48 // 2 + 2 * 4 * 64 < row.saved_bytes_before / 5
-    assert not graphs.nodes("backward", torch.ops.aten.erf.default)  # f(x) moved into the forward
     assert [tuple(t.shape) for t in graphs.saved() if t.dtype == torch.uint8] == [(64, 24)]
     (encoder,) = graphs.nodes("forward", torch.ops.hot_compile.encode_derivative.default)
-    assert encoder.args[0].meta["val"].dtype == torch.bfloat16  # the float32 f(x) is coded from its bf16 rounding
-    # Each element of f(x), rounded to bf16 (half a bf16 level of |f|, which may also widen the row's
-    # range by that much), is off by less than one step of its row, (max f − min f) / 14, so the
-    # gradient of the linear's output by at most |gy|·(step + rounding), and x's by that times |W|.
     w, h = model.fc.weight.double(), (x.double() @ model.fc.weight.double().T + model.fc.bias.double())
-    f = _gelu_derivative(h)
-    rounding = tol.BF16_ROUNDING / 2
-    step = (f.amax(-1, keepdim=True) - f.amin(-1, keepdim=True) + 2 * rounding * f.abs().amax(-1, keepdim=True)) / (2**DERIVATIVE_BITS - 2)
-    exact = (gy.double() * f) @ w
-    bound = (gy.double().abs() * (step + rounding * f.abs())) @ w.abs() + tol.FP32_VS_REFERENCE * exact.abs().max()
+    return grad, gy.double(), w, h, graphs, row, encoder
+
+
+def _within_a_step(grad, gy, w, f, rounding):
+    """Each element of ``f`` (``f(x)`` as the encoder read it, within ``rounding`` of the exact, which
+    may also widen its row's range by as much on each side) is off by less than one step of its row,
+    (max f − min f) / 14, so the linear output's gradient is off by at most |gy|·(step + rounding),
+    and x's by that times |W|."""
+    step = (f.amax(-1, keepdim=True) - f.amin(-1, keepdim=True) + 2 * rounding) / (2**DERIVATIVE_BITS - 2)
+    exact = (gy * f) @ w
+    bound = (gy.abs() * (step + rounding)) @ w.abs() + tol.FP32_VS_REFERENCE * exact.abs().max()
     error = (grad.double() - exact).abs()
     print(f"x.grad: error {rel_err(grad, exact):.4f} relative, worst element at {(error / bound).max():.2f} of its bound")
     assert (error <= bound).all() and rel_err(grad, exact) > 0
 
 
+@pytest.mark.parametrize(
+    "function, name",
+    [(F.gelu, "gelu"), (functools.partial(F.gelu, approximate="tanh"), "gelu_tanh")],
+)
+def test_a_known_derivative_is_computed_by_the_encoder_and_bounds_the_gradient_by_one_step(function, name):
+    """GELU's derivatives, exact and with tanh, are named from what the backward's nodes compute;
+    the encoder computes the derivative from the linear's float32 output itself, so neither graph
+    holds its arithmetic, and the gradient is off by one step of the exact derivative's row at most."""
+    grad, gy, w, h, graphs, row, encoder = _derivative_step(function)
+    assert f"{name}'(x)" in row.reason and "computed from x in float32" in row.numerics
+    assert encoder.args[3] == name and encoder.args[0].meta["val"].dtype == torch.float32
+    created = [n for n in graphs.nodes("forward") if n.meta.get(META_KEY, {}).get("rewrite") == "compress_saved"]
+    assert all(torch.Tag.pointwise not in getattr(n.target, "tags", ()) for n in created)  # views, the seed, the encoder
+    assert not graphs.nodes("backward", torch.ops.aten.exp.default) and not graphs.nodes("backward", torch.ops.aten.erf.default)
+    _within_a_step(grad, gy, w, aten_impl.DERIVATIVES[name](h), tol.DERIVATIVE_EVALUATION)
+
+
+def test_another_derivative_is_computed_by_the_forward_and_coded_from_its_bf16_rounding():
+    """sin's derivative, cos, is not one the encoder computes: the forward computes it with the
+    backward's own nodes, and the encoder codes its bf16 rounding (half a bf16 level of |f|)."""
+    grad, gy, w, h, graphs, row, encoder = _derivative_step(torch.sin)
+    assert "cos" in row.reason and "in bfloat16" in row.numerics
+    assert encoder.args[3] == aten_impl.GIVEN and encoder.args[0].meta["val"].dtype == torch.bfloat16
+    assert graphs.nodes("forward", torch.ops.aten.cos.default) and not graphs.nodes("backward", torch.ops.aten.cos.default)
+    f = h.cos()
+    _within_a_step(grad, gy, w, f, tol.BF16_ROUNDING / 2 * f.abs().amax(-1, keepdim=True))
+
+
 def test_without_the_derivative_code_a_gelu_input_is_saved_as_int8_rows():
     torch.manual_seed(0)
-    _, graphs, report = _compiled_grads(LinearGelu(), torch.randn(64, 24), torch.randn(64, 48), saved_derivative_bits=None)
+    _, graphs, report = _compiled_grads(LinearThen(F.gelu), torch.randn(64, 24), torch.randn(64, 48), saved_derivative_bits=None)
     assert [r.decision for r in report.select(path="saved")] == [INT8_ROWS]
     assert graphs.nodes("backward", torch.ops.aten.erf.default)  # GELU's derivative computed in the backward
     with pytest.raises(ValueError, match="saved_derivative_bits"):
@@ -139,7 +166,7 @@ def test_without_the_derivative_code_a_gelu_input_is_saved_as_int8_rows():
 
 def test_a_float64_model_keeps_its_saved_values_and_trains():
     torch.manual_seed(0)
-    model = LinearGelu().double()
+    model = LinearThen(F.gelu).double()
     compiled, _ = aot_compile(model, HotConfig(**ON))
     compiled(torch.randn(64, 24, dtype=torch.float64)).sum().backward()
     rows = hot_compile.last_report().select(path="saved")
@@ -217,9 +244,9 @@ def test_a_block_under_autocast_keeps_weight_casts_and_compresses_bf16_activatio
     rows = report.select(path="saved")
     assert any("a weight's cast" in r.reason for r in rows if r.decision == "kept")
     assert {r.dtype for r in rows if r.decision == INT8_ROWS} == {"bfloat16"}
-    # GELU's derivative, computed in float32, is encoded from its bf16 rounding, as in float32 training.
+    # The encoder computes GELU's derivative from the bf16 input, in float32.
     (encoder,) = graphs.nodes("forward", torch.ops.hot_compile.encode_derivative.default)
-    assert encoder.args[0].meta["val"].dtype == torch.bfloat16
+    assert encoder.args[0].meta["val"].dtype == torch.bfloat16 and encoder.args[3] == "gelu"
 
 
 def test_the_budget_compresses_the_most_bytes_per_second_first():
@@ -347,7 +374,7 @@ def test_a_users_partitioner_runs_before_the_compression():
             return b"counting"
 
     torch.manual_seed(0)
-    model, x = LinearGelu(), torch.randn(8, 24)
+    model, x = LinearThen(F.gelu), torch.randn(8, 24)
     compiled = torch.compile(model, backend="hot", options={"policy": "hot", "compress_saved": True, "custom_partitioner_fn": Counting()})
     compiled(x).sum().backward()
     assert Counting.calls == 1 and hot_compile.last_report().select(path="saved", decision=DERIVATIVE)

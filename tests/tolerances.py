@@ -93,3 +93,7 @@ FP32_ROUNDINGS = 4 * 2**-24
 # scale), a gradient through it is off by at most 0.093 / 0.5 relative. The int8 rows of the other
 # saved values add 1/254 each, within that margin.
 E2E_GRAD_SAVED_CODES = (1.3 / 14) / 0.5
+# A derivative the encoder computes (cpu_encode.cpp): GELU's Φ by Abramowitz and Stegun's 7.1.26
+# (1.5·10⁻⁷ in erf, half that in Φ), exp by a degree-6 polynomial (2⁻²³ relative), and float32's
+# roundings of terms at most 1.2: within 2·10⁻⁷ of the exact derivative, 4·10⁻⁷ with margin.
+DERIVATIVE_EVALUATION = 4e-7

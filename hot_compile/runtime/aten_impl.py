@@ -156,14 +156,35 @@ def encode_rows(x: torch.Tensor, *, bits: int) -> tuple[torch.Tensor, torch.Tens
     return quantize_nearest(x, bits, dim=-1)
 
 
-def check_derivative_bits(bits: int) -> None:
+def _gelu_derivative(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1 + torch.erf(x * 0.7071067811865476)) + x * torch.exp(-0.5 * x * x) * 0.3989422804014327
+
+
+def _gelu_tanh_derivative(x: torch.Tensor) -> torch.Tensor:
+    t = torch.tanh(0.7978845608028654 * (x + 0.044715 * x**3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * x * x)
+
+
+# The derivatives the derivative code computes from the saved input itself: GELU's (``approximate=
+# "none"``) and GELU's with ``approximate="tanh"``. ``GIVEN``: the input is the derivative.
+DERIVATIVES = {"gelu": _gelu_derivative, "gelu_tanh": _gelu_tanh_derivative}
+GIVEN = "given"
+
+
+def check_derivative(bits: int, function: str) -> None:
     if bits != 4:
         raise ValueError(f"the derivative code packs two 4-bit codes a byte, got bits={bits}")
+    if function != GIVEN and function not in DERIVATIVES:
+        raise ValueError(f"no derivative {function!r}: one of {GIVEN!r}, {', '.join(map(repr, DERIVATIVES))}")
 
 
-def encode_derivative(value: torch.Tensor, seed: torch.Tensor, *, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def encode_derivative(
+    x: torch.Tensor, seed: torch.Tensor, *, bits: int, function: str = GIVEN
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A derivative's values as 4-bit codes over each row's range (stochastic rounding), two a byte,
-    with the rows' ``lo`` and ``step``."""
-    check_derivative_bits(bits)
+    with the rows' ``lo`` and ``step``: of ``x`` itself (``function=GIVEN``), or of
+    ``DERIVATIVES[function]`` evaluated on ``x`` in float32."""
+    check_derivative(bits, function)
+    value = x if function == GIVEN else DERIVATIVES[function](x.float())
     codes, lo, step = quantize_range_stochastic(value, bits, seed, salt=SALT_DERIVATIVE)
     return pack_nibbles(codes), lo, step

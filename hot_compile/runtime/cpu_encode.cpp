@@ -47,50 +47,127 @@ void rows_encode(const T* x, const int64_t* size, const int64_t* stride, const i
   }
 }
 
+// The derivatives the encoder computes from x itself, as hot_compile/runtime/cpu_kernels.py numbers
+// them (aten_impl.DERIVATIVES): VALUE codes x as it is.
+enum : int64_t { VALUE = 0, GELU = 1, GELU_TANH = 2 };
+
+// e^x lane-wise, for x clamped to [−87, 88]: x = n·ln 2 + r (|r| ≤ ln 2 / 2, ln 2 in two parts), e^r by
+// its degree-6 Taylor polynomial (error below 2⁻²³ of e^r), 2^n by the exponent bits.
+inline Float16x exp16(Float16x x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const Int16x n = __builtin_convertvector(x * 1.44269504f + (x < 0.0f ? -0.5f : 0.5f), Int16x);  // nearest
+  const Float16x nf = __builtin_convertvector(n, Float16x);
+  const Float16x r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;  // Cody and Waite's split of ln 2
+  Float16x p = Float16x{} + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * (Float16x)((n + 127) << 23);
+}
+
+// Lane-wise derivatives, in float32, as aten_impl.DERIVATIVES writes them; each within 2·10⁻⁷ of
+// its exact value.
+// GELU: Φ(x) + x·φ(x). Φ by Abramowitz and Stegun's 7.1.26 (|error| ≤ 1.5·10⁻⁷ in erf), whose
+// e^(−x²/2) φ shares.
+inline Float16x gelu_derivative16(Float16x x) {
+  const Float16x z = magnitude(x) * 0.707106781f, e = exp16(-0.5f * x * x);
+  const Float16x t = 1.0f / (1.0f + 0.3275911f * z);
+  Float16x p = Float16x{} + 1.061405429f;
+  p = p * t - 1.453152027f;
+  p = p * t + 1.421413741f;
+  p = p * t - 0.284496736f;
+  p = p * t + 0.254829592f;
+  const Float16x tail = 0.5f * p * t * e;  // Φ(−|x|)
+  return (x < 0.0f ? tail : 1.0f - tail) + x * e * 0.398942280f;
+}
+// GELU with tanh: ½(1 + t) + ½x(1 − t²)·√(2/π)(1 + 3·0.044715x²), t = tanh(u), u = √(2/π)(x + 0.044715x³),
+// tanh(u) = 1 − 2/(e^(2u) + 1).
+inline Float16x gelu_tanh_derivative16(Float16x x) {
+  const Float16x x2 = x * x, u = 0.797884561f * x * (1.0f + 0.044715f * x2);
+  const Float16x t = 1.0f - 2.0f / (exp16(2.0f * u) + 1.0f);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.797884561f * (1.0f + 0.134145f * x2);
+}
+// The derivative `function` of a row of `cols` values, into `out`.
+template <typename T>
+void derivative_row(int64_t function, const T* v, int64_t cols, float* out) {
+  auto each = [&](auto derivative) {
+    const int64_t whole = cols / 16 * 16;
+    for (int64_t c = 0; c < whole; c += 16) {
+      const Float16x f = derivative(load16(v + c));
+      std::memcpy(out + c, &f, sizeof f);
+    }
+    if (whole < cols) {
+      const Float16x f = derivative(load16(v + whole, cols - whole));
+      std::memcpy(out + whole, &f, (cols - whole) * sizeof(float));
+    }
+  };
+  switch (function) {
+    case GELU: return each(gelu_derivative16);
+    case GELU_TANH: return each(gelu_tanh_derivative16);
+  }
+}
+
 // aten_impl.encode_derivative: each row's values as 4-bit codes q over [lo, lo + 15·step], with
 // step = (max − min) / 14 (a zero step becomes 1) and lo = step·⌊min / step⌋, q = ⌊(v − lo)·(1/step) + u⌋
 // at most 15 (u: the hash noise of the value's flat index), two codes a byte as quant.pack_nibbles
-// packs them: element i in the low nibble of byte i, element cols/2 + i in the high one.
+// packs them: element i in the low nibble of byte i, element cols/2 + i in the high one. The values v
+// are x, or the derivative `function` of x, computed a row at a time (no derivative buffer: one the
+// forward wrote would be written, faulted in and read again).
 template <typename T>
-void derivative_encode(const T* x, int64_t rows, int64_t cols, uint32_t offset, uint8_t* packed, float* lo_out,
-                       float* step_out) {
+void code_row(const T* v, int64_t r, int64_t cols, uint32_t offset, uint8_t* codes, uint8_t* packed, float* lo_out,
+              float* step_out) {
   constexpr float TOP = 15.0f;
   const int64_t half = cols / 2;
+  float least = INFINITY, most = -INFINITY;
+  int nan = 0;
+#pragma omp simd reduction(min : least) reduction(max : most) reduction(| : nan)
+  for (int64_t c = 0; c < cols; ++c) {
+    const float f = to_float(v[c]);
+    least = f < least ? f : least;
+    most = f > most ? f : most;
+    nan |= f != f;
+  }
+  float step = nan ? std::nanf("") : (most - least) / (TOP - 1.0f);
+  step = step == 0.0f ? 1.0f : step;
+  const float lo = std::floor(least / step) * step, inverse = 1.0f / step;
+  lo_out[r] = lo;
+  step_out[r] = step;
+  auto vector = [&](int64_t c, Float16x noise) {
+    Int16x l = __builtin_convertvector((load16(v + c) - lo) * inverse + noise, Int16x);  // floor: v ≥ lo
+    l = l < int32_t(TOP) ? l : int32_t(TOP);
+    l = l > 0 ? l : 0;
+    const UInt8x16 bytes = __builtin_convertvector(l, UInt8x16);
+    std::memcpy(codes + c, &bytes, sizeof bytes);
+  };
+  auto scalar = [&](int64_t c, float noise) {
+    const float l = std::floor((to_float(v[c]) - lo) * inverse + noise);
+    codes[c] = uint8_t(l > 0.0f ? (l < TOP ? l : TOP) : 0.0f);  // a NaN gives 0, as the vector lanes do
+  };
+  with_noise(cols, uint32_t(r * cols), offset, vector, scalar);
+  uint8_t* out = packed + r * half;
+#pragma omp simd
+  for (int64_t c = 0; c < half; ++c) out[c] = uint8_t(codes[c] | (codes[half + c] << 4));
+}
+
+template <typename T>
+void derivative_encode(const T* x, int64_t function, int64_t rows, int64_t cols, uint32_t offset, uint8_t* packed,
+                       float* lo, float* step) {
 #pragma omp parallel
   {
     std::vector<uint8_t> codes(cols);
+    std::vector<float> values(function == VALUE ? 0 : cols);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const T* v = x + r * cols;
-      float least = INFINITY, most = -INFINITY;
-      int nan = 0;
-#pragma omp simd reduction(min : least) reduction(max : most) reduction(| : nan)
-      for (int64_t c = 0; c < cols; ++c) {
-        const float f = to_float(v[c]);
-        least = f < least ? f : least;
-        most = f > most ? f : most;
-        nan |= f != f;
+      if (function == VALUE) {
+        code_row(x + r * cols, r, cols, offset, codes.data(), packed, lo, step);
+      } else {
+        derivative_row(function, x + r * cols, cols, values.data());
+        code_row(values.data(), r, cols, offset, codes.data(), packed, lo, step);
       }
-      float step = nan ? std::nanf("") : (most - least) / (TOP - 1.0f);
-      step = step == 0.0f ? 1.0f : step;
-      const float lo = std::floor(least / step) * step, inverse = 1.0f / step;
-      lo_out[r] = lo;
-      step_out[r] = step;
-      auto vector = [&](int64_t c, Float16x noise) {
-        Int16x l = __builtin_convertvector((load16(v + c) - lo) * inverse + noise, Int16x);  // floor: v ≥ lo
-        l = l < int32_t(TOP) ? l : int32_t(TOP);
-        l = l > 0 ? l : 0;
-        const UInt8x16 bytes = __builtin_convertvector(l, UInt8x16);
-        std::memcpy(codes.data() + c, &bytes, sizeof bytes);
-      };
-      auto scalar = [&](int64_t c, float noise) {
-        const float l = std::floor((to_float(v[c]) - lo) * inverse + noise);
-        codes[c] = uint8_t(l > 0.0f ? (l < TOP ? l : TOP) : 0.0f);  // a NaN gives 0, as the vector lanes do
-      };
-      with_noise(cols, uint32_t(r * cols), offset, vector, scalar);
-      uint8_t* out = packed + r * half;
-#pragma omp simd
-      for (int64_t c = 0; c < half; ++c) out[c] = uint8_t(codes[c] | (codes[half + c] << 4));
     }
   }
 }
@@ -104,9 +181,9 @@ void hot_rows_encode(const void* x, int64_t dtype, const int64_t* size, const in
   by_dtype(dtype, x, [&](auto* t) { rows_encode(t, size, stride, row, cols, float(qmax), q, scale); });
 }
 
-void hot_derivative_encode(const void* x, int64_t dtype, int64_t rows, int64_t cols, uint32_t offset, uint8_t* packed,
-                           float* lo, float* step) {
-  by_dtype(dtype, x, [&](auto* t) { derivative_encode(t, rows, cols, offset, packed, lo, step); });
+void hot_derivative_encode(const void* x, int64_t dtype, int64_t function, int64_t rows, int64_t cols, uint32_t offset,
+                           uint8_t* packed, float* lo, float* step) {
+  by_dtype(dtype, x, [&](auto* t) { derivative_encode(t, function, rows, cols, offset, packed, lo, step); });
 }
 
 }  // extern "C"

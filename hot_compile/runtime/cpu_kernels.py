@@ -45,6 +45,8 @@ from .quant import guard_scale, qmax
 # One translation unit, in this order.
 _SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp", "cpu_amx.cpp"))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# aten_impl.encode_derivative's functions, as cpu_encode.cpp numbers them.
+_DERIVATIVES = {"given": 0, "gelu": 1, "gelu_tanh": 2}
 # Rows of one integer GEMM chunk: its int32 product stays within a few MiB that the allocator reuses.
 CHUNK_BYTES = 4 << 20
 MIN_CHUNK_ROWS = 256
@@ -56,7 +58,7 @@ _SIGNATURES = {
     "hot_cols_quantize": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I, _U, _P),
     "hot_dequantize": (_P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
     "hot_rows_encode": (_P, _I, _P, _P, _P, _I, _I, _P, _P),
-    "hot_derivative_encode": (_P, _I, _I, _I, _U, _P, _P, _P),
+    "hot_derivative_encode": (_P, _I, _I, _I, _I, _U, _P, _P, _P),
     "hot_amx_compiled": (),
     "hot_amx_matmul_dequantize": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
 }
@@ -333,17 +335,19 @@ def encode_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]
     return q, scale
 
 
-def encode_derivative(value: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`hot_compile.runtime.aten_impl.encode_derivative` at 4 bits: ``value: [..., C]`` (``C``
-    even) as two codes a byte ``[..., C/2]`` (uint8), with the rows' ``lo`` and ``step`` (``[..., 1]``,
-    float32); ``offset``: the noise's :func:`~hot_compile.runtime.quant.noise_offset`."""
-    lib, code = _library(), _dtype_code(value)
-    value, rows, cols = _rows_of(value)
+def encode_derivative(x: torch.Tensor, offset: int, function: str = "given") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`hot_compile.runtime.aten_impl.encode_derivative` at 4 bits: the derivative ``function``
+    of ``x: [..., C]`` (``C`` even), or ``x`` itself for ``"given"``, as two codes a byte ``[..., C/2]``
+    (uint8), with the rows' ``lo`` and ``step`` (``[..., 1]``, float32); ``offset``: the noise's
+    :func:`~hot_compile.runtime.quant.noise_offset`. A derivative is computed a row at a time, in
+    float32, within 2·10⁻⁷ of the reference's."""
+    lib, code = _library(), _dtype_code(x)
+    x, rows, cols = _rows_of(x)
     if cols % 2:
         raise ValueError(f"the derivative code packs two values a byte along the last dimension, of odd size {cols}")
-    packed = torch.empty(*value.shape[:-1], cols // 2, dtype=torch.uint8)
-    lo, step = torch.empty(*value.shape[:-1], 1), torch.empty(*value.shape[:-1], 1)
-    if value.numel():
-        lib.hot_derivative_encode(value.data_ptr(), code, rows, cols, offset, packed.data_ptr(), lo.data_ptr(), step.data_ptr())
+    packed = torch.empty(*x.shape[:-1], cols // 2, dtype=torch.uint8)
+    lo, step = torch.empty(*x.shape[:-1], 1), torch.empty(*x.shape[:-1], 1)
+    if x.numel():
+        lib.hot_derivative_encode(x.data_ptr(), code, _DERIVATIVES[function], rows, cols, offset, packed.data_ptr(), lo.data_ptr(), step.data_ptr())
     return packed, lo, step
 

@@ -222,10 +222,10 @@ def _(x, bits):
     return x.new_empty(x.shape, dtype=torch.int8), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def compiled_encode_derivative(value: Tensor, seed: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+def compiled_encode_derivative(x: Tensor, seed: Tensor, bits: int, function: str) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`hot_compile.runtime.aten_impl.encode_derivative` by the shape-generic compile: ``[..., C]
     → ([..., C/2] uint8, [..., 1] float32 lo, [..., 1] float32 step)``."""
-    packed, lo, step = _run(aten_impl.encode_derivative, value, seed, bits=bits)
+    packed, lo, step = _run(aten_impl.encode_derivative, x, seed, bits=bits, function=function)
     return packed.contiguous(), lo.contiguous(), step.contiguous()
 
 
@@ -235,10 +235,11 @@ encode_derivative = torch.library.custom_op(
 
 
 @encode_derivative.register_fake
-def _(value, seed, bits):
-    side = (*value.shape[:-1], 1)
-    packed = value.new_empty((*value.shape[:-1], value.shape[-1] // 2), dtype=torch.uint8)
-    return packed, value.new_empty(side, dtype=torch.float32), value.new_empty(side, dtype=torch.float32)
+def _(x, seed, bits, function):
+    aten_impl.check_derivative(bits, function)
+    side = (*x.shape[:-1], 1)
+    packed = x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=torch.uint8)
+    return packed, x.new_empty(side, dtype=torch.float32), x.new_empty(side, dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------------------------ CPU kernels
@@ -294,9 +295,9 @@ def _(x, bits):
 
 
 @encode_derivative.register_kernel("cpu")
-def _(value, seed, bits):
-    aten_impl.check_derivative_bits(bits)
-    return cpu_kernels.encode_derivative(value, noise_offset(seed, aten_impl.SALT_DERIVATIVE))
+def _(x, seed, bits, function):
+    aten_impl.check_derivative(bits, function)
+    return cpu_kernels.encode_derivative(x, noise_offset(seed, aten_impl.SALT_DERIVATIVE), function)
 
 
 @hq_grad_input.register_kernel("cpu")
