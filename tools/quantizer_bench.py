@@ -5,14 +5,16 @@ per second of each kernel of HOT's C++ library that a rewritten step runs beside
   one scale per row: HQ's gradient and the integer forward's activation;
 * ``rows RN``: the same rounding to nearest, for what the noise costs;
 * ``row code``: ``cpu_kernels.encode_rows``, the int8 code of a saved activation;
-* ``derivative code``: ``cpu_kernels.encode_derivative``, the 4-bit stochastic code of GELU's
-  derivative.
+* ``derivative code``: ``cpu_kernels.encode_derivative``, the 4-bit stochastic code of a derivative
+  the forward computed;
+* ``GELU' code``: the same code of GELU's derivative, which the encoder computes from the operand.
 
 With ``--against REV`` each kernel also runs on the library built from the C++ sources of git
 revision ``REV``, interleaved call by call with this tree's, so that a CPU whose rate moves from one
-second to the next (a VM sharing its cores) moves both alike.
+second to the next (a VM sharing its cores) moves both alike. ``REV``'s library must export this
+tree's C signatures (``cpu_kernels._SIGNATURES``).
 
-    python tools/quantizer_bench.py --out benchmarks/quantizers-spr --against f952d98
+    python tools/quantizer_bench.py --out benchmarks/quantizers-spr --against HEAD~1
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def _kernels(x: torch.Tensor) -> dict:
         "rows RN": lambda: cpu_kernels.quantize_rows(x, 8, width=width, hadamard=True, per_row=True, stochastic=False),
         "row code": lambda: cpu_kernels.encode_rows(x, 8),
         "derivative code": lambda: cpu_kernels.encode_derivative(x, 1),
+        "GELU' code": lambda: cpu_kernels.encode_derivative(x, 1, "gelu"),
     }
 
 

@@ -48,8 +48,8 @@ void rows_encode(const T* x, const int64_t* size, const int64_t* stride, const i
 }
 
 // The derivatives the encoder computes from x itself, as hot_compile/runtime/cpu_kernels.py numbers
-// them (aten_impl.DERIVATIVES): VALUE codes x as it is.
-enum : int64_t { VALUE = 0, GELU = 1, GELU_TANH = 2 };
+// them (aten_impl.DERIVATIVES): GIVEN codes x as it is.
+enum : int64_t { GIVEN = 0, GELU = 1, GELU_TANH = 2 };
 
 // e^x lane-wise, for x clamped to [−87, 88]: x = n·ln 2 + r (|r| ≤ ln 2 / 2, ln 2 in two parts), e^r by
 // its degree-6 Taylor polynomial (error below 2⁻²³ of e^r), 2^n by the exponent bits.
@@ -159,10 +159,10 @@ void derivative_encode(const T* x, int64_t function, int64_t rows, int64_t cols,
 #pragma omp parallel
   {
     std::vector<uint8_t> codes(cols);
-    std::vector<float> values(function == VALUE ? 0 : cols);
+    std::vector<float> values(function == GIVEN ? 0 : cols);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      if (function == VALUE) {
+      if (function == GIVEN) {
         code_row(x + r * cols, r, cols, offset, codes.data(), packed, lo, step);
       } else {
         derivative_row(function, x + r * cols, cols, values.data());
