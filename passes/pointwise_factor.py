@@ -118,12 +118,17 @@ def known_derivative(placeholder: fx.Node, factor: PointwiseFactor) -> tuple[str
     with unset_fake_temporarily():  # the partitioner runs under the graph's fake mode; the probe is real
         probe = _PROBE.to(placeholder.meta["val"].dtype)
         env: dict[fx.Node, torch.Tensor] = {argument: probe}
-        for node in arithmetic:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
-            env[node] = node.target(*args, **kwargs)
-        computed, exact = env[factor.value].double(), probe.double()
+        try:
+            for node in arithmetic:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                env[node] = node.target(*args, **kwargs)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            return None  # an op that takes no plain CPU tensor: not one of the derivatives
+        computed, exact = env[factor.value], probe.double()
+        if not isinstance(computed, torch.Tensor) or computed.shape != exact.shape:
+            return None
         for name, derivative in DERIVATIVES.items():
-            if computed.shape == exact.shape and (computed - derivative(exact)).abs().max() <= _MATCH_TOLERANCE:
+            if (computed.double() - derivative(exact)).abs().max() <= _MATCH_TOLERANCE:
                 return name, chain
     return None
 

@@ -11,9 +11,10 @@ tensors the forward hands the backward. Each float intermediate becomes one of t
   (:mod:`.pointwise_factor`), the forward saves ``f(x)`` in 4 bits, two codes a byte, over each row's
   range with stochastic rounding
   (:func:`~hot_compile.runtime.quant.quantize_range_stochastic`). For GELU's derivative (exact or
-  with tanh) the encoder computes ``f(x)`` from ``x`` in float32, a row at a time: unbiased, every error below
-  one step ``(max f − min f) / 14`` of its row. For another ``f`` the forward computes ``f(x)`` (at
-  most as wide as bf16: :func:`derivative_dtype`) for the encoder, whose rounding adds 2⁻⁹ of ``|f|``;
+  with tanh) the encoder computes ``f(x)`` from ``x`` in float32, a row at a time, within 3·10⁻⁷ of
+  the exact one: unbiased for that value, every error below one step ``(max f − min f) / 14`` of its
+  row plus those 3·10⁻⁷. For another ``f`` the forward computes ``f(x)`` (at most as wide as bf16:
+  :func:`derivative_dtype`) for the encoder, whose rounding adds 2⁻⁹ of ``|f|``;
 * **int8 rows** otherwise: one float32 scale per row of at least :data:`MIN_ROW` values, round to
   nearest (``s = max|row| / 127``), dequantized where the backward first reads it; every error is at
   most half a level, ``max|row| / 254``.
@@ -198,12 +199,12 @@ def _encoder_rows(order: list[int]):
 
 
 def derivative_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the forward writes a derivative ``f(x)`` in for its code, ``x`` being of ``dtype``:
-    bf16 for float32 (and under autocast, where GELU's derivative is computed in float32 from a bf16
+    """The dtype the forward writes a derivative ``f(x)`` in for its code, where the encoder does not
+    compute ``f`` itself (:data:`~hot_compile.runtime.aten_impl.GIVEN`), ``x`` being of ``dtype``:
+    bf16 for float32 (and under autocast, where a derivative is computed in float32 from a bf16
     input), else ``dtype``. Its rounding, at most 2⁻⁹ of ``|f|``, is a few percent of a 4-bit step
-    (``(max f − min f) / 14``), and it halves the buffer the forward writes and the encoder reads:
-    on a CPU a float32 one above glibc's mmap threshold faults on every page (ViT-S's GELU
-    derivative: 39 MB in float32, 19 in bf16)."""
+    (``(max f − min f) / 14``), and it halves the buffer the forward writes and the encoder reads: on
+    a CPU a float32 one above glibc's mmap threshold faults on every page."""
     return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
@@ -242,7 +243,10 @@ def _encode(graph: fx.Graph, s: SavedValue, created: list[fx.Node]) -> list[fx.N
             env[node] = graph.node_copy(node, env.__getitem__)
             env[node].meta.update(meta)
             created.append(env[node])
-    value = env[factor.reads_through[-1] if factor.reads_through else s.backward] if known else env[factor.value]
+    if not known:
+        value = env[factor.value]
+    else:
+        value = env[factor.reads_through[-1]] if factor.reads_through else s.forward
     encode = _derivative_encoder(s.forward.meta["val"].dtype, factor.function)
     return list(insert_traced(graph, encode, [value], before=value.next, meta=meta, created=created))
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from .cost_model import SiteCost, saved_compression_cost
 from ..runtime.aten_impl import GIVEN
+from .cost_model import SiteCost, saved_compression_cost
 from .saved_activations import DERIVATIVE_BITS, ROW_BITS, SavedValue, derivative_dtype
 
 

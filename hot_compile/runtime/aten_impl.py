@@ -171,11 +171,18 @@ DERIVATIVES = {"gelu": _gelu_derivative, "gelu_tanh": _gelu_tanh_derivative}
 GIVEN = "given"
 
 
+def derivative_of(function: str):
+    """``DERIVATIVES[function]``; a ValueError that names the choices for another name."""
+    if function not in DERIVATIVES:
+        raise ValueError(f"no derivative {function!r}: one of {', '.join(map(repr, DERIVATIVES))}, or {GIVEN!r} to code a given one")
+    return DERIVATIVES[function]
+
+
 def check_derivative(bits: int, function: str) -> None:
     if bits != 4:
         raise ValueError(f"the derivative code packs two 4-bit codes a byte, got bits={bits}")
-    if function != GIVEN and function not in DERIVATIVES:
-        raise ValueError(f"no derivative {function!r}: one of {GIVEN!r}, {', '.join(map(repr, DERIVATIVES))}")
+    if function != GIVEN:
+        derivative_of(function)
 
 
 def encode_derivative(
@@ -185,6 +192,6 @@ def encode_derivative(
     with the rows' ``lo`` and ``step``: of ``x`` itself (``function=GIVEN``), or of
     ``DERIVATIVES[function]`` evaluated on ``x`` in float32."""
     check_derivative(bits, function)
-    value = x if function == GIVEN else DERIVATIVES[function](x.float())
+    value = x if function == GIVEN else derivative_of(function)(x.float())
     codes, lo, step = quantize_range_stochastic(value, bits, seed, salt=SALT_DERIVATIVE)
     return pack_nibbles(codes), lo, step

@@ -51,14 +51,16 @@ void rows_encode(const T* x, const int64_t* size, const int64_t* stride, const i
 // them (aten_impl.DERIVATIVES): GIVEN codes x as it is.
 enum : int64_t { GIVEN = 0, GELU = 1, GELU_TANH = 2 };
 
-// e^x lane-wise, for x clamped to [−87, 88]: x = n·ln 2 + r (|r| ≤ ln 2 / 2, ln 2 in two parts), e^r by
-// its degree-6 Taylor polynomial (error below 2⁻²³ of e^r), 2^n by the exponent bits.
+// e^x lane-wise: x = n·ln 2 + r (|r| ≤ ln 2 / 2, ln 2 in two parts), e^r by its degree-6 Taylor
+// polynomial, 2^n by the exponent bits; within 2⁻²² of e^x. Below −87 (e^x < 1.7·10⁻³⁸, under the
+// smallest normal float times 1.4) it is 0, so that a term x·e^x vanishes for every finite x; above 88
+// it stays e^88. A NaN stays NaN.
 inline Float16x exp16(Float16x x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  const Int16x n = __builtin_convertvector(x * 1.44269504f + (x < 0.0f ? -0.5f : 0.5f), Int16x);  // nearest
+  const Int16x underflow = x < -87.0f;
+  const Float16x y = x > 88.0f ? 88.0f : (underflow ? -87.0f : x);
+  const Int16x n = __builtin_convertvector(y * 1.44269504f + (y < 0.0f ? -0.5f : 0.5f), Int16x);  // nearest
   const Float16x nf = __builtin_convertvector(n, Float16x);
-  const Float16x r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;  // Cody and Waite's split of ln 2
+  const Float16x r = (y - nf * 0.693359375f) + nf * 2.12194440e-4f;  // Cody and Waite's split of ln 2
   Float16x p = Float16x{} + 1.0f / 720;
   p = p * r + 1.0f / 120;
   p = p * r + 1.0f / 24;
@@ -66,11 +68,13 @@ inline Float16x exp16(Float16x x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  return p * (Float16x)((n + 127) << 23);
+  // Unsigned: a NaN's n is INT_MIN, whose signed shift would be undefined; its p is NaN anyway.
+  const Float16x e = p * (Float16x)(((UInt16x)(n + 127)) << 23);
+  return underflow ? 0.0f : e;
 }
 
-// Lane-wise derivatives, in float32, as aten_impl.DERIVATIVES writes them; each within 2·10⁻⁷ of
-// its exact value.
+// Lane-wise derivatives, in float32, as aten_impl.DERIVATIVES writes them; each within 3·10⁻⁷ of its
+// exact value (tests/tolerances.py: DERIVATIVE_EVALUATION), saturating to 0 and 1 for any finite x.
 // GELU: Φ(x) + x·φ(x). Φ by Abramowitz and Stegun's 7.1.26 (|error| ≤ 1.5·10⁻⁷ in erf), whose
 // e^(−x²/2) φ shares.
 inline Float16x gelu_derivative16(Float16x x) {
@@ -84,12 +88,15 @@ inline Float16x gelu_derivative16(Float16x x) {
   const Float16x tail = 0.5f * p * t * e;  // Φ(−|x|)
   return (x < 0.0f ? tail : 1.0f - tail) + x * e * 0.398942280f;
 }
-// GELU with tanh: ½(1 + t) + ½x(1 − t²)·√(2/π)(1 + 3·0.044715x²), t = tanh(u), u = √(2/π)(x + 0.044715x³),
-// tanh(u) = 1 − 2/(e^(2u) + 1).
+// GELU with tanh: ½(1 + t) + ½x(1 − t²)·√(2/π)(1 + 3·0.044715x²), t = tanh(u), u = √(2/π)(x + 0.044715x³).
+// From e = e^(−2|u|): |t| = (1 − e)/(1 + e) and 1 − t² = 4e/(1 + e)², which keep their digits where
+// |t| nears 1 (1 − t·t would cancel them).
 inline Float16x gelu_tanh_derivative16(Float16x x) {
   const Float16x x2 = x * x, u = 0.797884561f * x * (1.0f + 0.044715f * x2);
-  const Float16x t = 1.0f - 2.0f / (exp16(2.0f * u) + 1.0f);
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.797884561f * (1.0f + 0.134145f * x2);
+  const Float16x e = exp16(-2.0f * magnitude(u)), s = 1.0f + e;
+  const Float16x size = (1.0f - e) / s, t = u < 0.0f ? -size : size;
+  const Float16x slope = 0.5f * x * (4.0f * e / (s * s)) * 0.797884561f * (1.0f + 0.134145f * x2);
+  return 0.5f * (1.0f + t) + (e > 0.0f ? slope : 0.0f);  // where x² overflows, 0 · ∞ would be NaN
 }
 // The derivative `function` of a row of `cols` values, into `out`.
 template <typename T>
@@ -108,6 +115,7 @@ void derivative_row(int64_t function, const T* v, int64_t cols, float* out) {
   switch (function) {
     case GELU: return each(gelu_derivative16);
     case GELU_TANH: return each(gelu_tanh_derivative16);
+    default: std::abort();  // cpu_kernels.py checks the name before it numbers it
   }
 }
 
@@ -179,6 +187,14 @@ extern "C" {
 void hot_rows_encode(const void* x, int64_t dtype, const int64_t* size, const int64_t* stride, const int64_t* row,
                      int64_t cols, int64_t qmax, int8_t* q, float* scale) {
   by_dtype(dtype, x, [&](auto* t) { rows_encode(t, size, stride, row, cols, float(qmax), q, scale); });
+}
+
+void hot_derivative_values(const void* x, int64_t dtype, int64_t function, int64_t count, float* out) {
+  constexpr int64_t SPAN = 4096;
+  by_dtype(dtype, x, [&](auto* t) {
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < count; c += SPAN) derivative_row(function, t + c, std::min(SPAN, count - c), out + c);
+  });
 }
 
 void hot_derivative_encode(const void* x, int64_t dtype, int64_t function, int64_t rows, int64_t cols, uint32_t offset,

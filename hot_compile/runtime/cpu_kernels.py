@@ -39,6 +39,7 @@ import time
 
 import torch
 
+from .aten_impl import DERIVATIVES, GIVEN, check_derivative, derivative_of
 from .devices import cache_root, cpu_identity
 from .quant import guard_scale, qmax
 
@@ -46,7 +47,7 @@ from .quant import guard_scale, qmax
 _SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp", "cpu_amx.cpp"))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # aten_impl.encode_derivative's functions, as cpu_encode.cpp numbers them.
-_DERIVATIVES = {"given": 0, "gelu": 1, "gelu_tanh": 2}
+_DERIVATIVES = {name: number for number, name in enumerate((GIVEN, *DERIVATIVES))}
 # Rows of one integer GEMM chunk: its int32 product stays within a few MiB that the allocator reuses.
 CHUNK_BYTES = 4 << 20
 MIN_CHUNK_ROWS = 256
@@ -59,6 +60,7 @@ _SIGNATURES = {
     "hot_dequantize": (_P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
     "hot_rows_encode": (_P, _I, _P, _P, _P, _I, _I, _P, _P),
     "hot_derivative_encode": (_P, _I, _I, _I, _I, _U, _P, _P, _P),
+    "hot_derivative_values": (_P, _I, _I, _I, _P),
     "hot_amx_compiled": (),
     "hot_amx_matmul_dequantize": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
 }
@@ -335,12 +337,24 @@ def encode_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]
     return q, scale
 
 
-def encode_derivative(x: torch.Tensor, offset: int, function: str = "given") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def derivative(x: torch.Tensor, function: str) -> torch.Tensor:
+    """The derivative ``function`` (an :data:`~hot_compile.runtime.aten_impl.DERIVATIVES` name) of
+    ``x``, in float32, as :func:`encode_derivative` evaluates it before coding it."""
+    derivative_of(function)
+    lib, code = _library(), _dtype_code(x)
+    x = x.contiguous()
+    out = torch.empty(x.shape)
+    lib.hot_derivative_values(x.data_ptr(), code, _DERIVATIVES[function], x.numel(), out.data_ptr())
+    return out
+
+
+def encode_derivative(x: torch.Tensor, offset: int, function: str = GIVEN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`hot_compile.runtime.aten_impl.encode_derivative` at 4 bits: the derivative ``function``
-    of ``x: [..., C]`` (``C`` even), or ``x`` itself for ``"given"``, as two codes a byte ``[..., C/2]``
+    of ``x: [..., C]`` (``C`` even), or ``x`` itself for ``GIVEN``, as two codes a byte ``[..., C/2]``
     (uint8), with the rows' ``lo`` and ``step`` (``[..., 1]``, float32); ``offset``: the noise's
-    :func:`~hot_compile.runtime.quant.noise_offset`. A derivative is computed a row at a time, in
-    float32, within 2·10⁻⁷ of the reference's."""
+    :func:`~hot_compile.runtime.quant.noise_offset`. A derivative is computed a row at a time
+    (:func:`derivative`), in float32, within 3·10⁻⁷ of the exact one."""
+    check_derivative(4, function)
     lib, code = _library(), _dtype_code(x)
     x, rows, cols = _rows_of(x)
     if cols % 2:
