@@ -348,13 +348,15 @@ def derivative(x: torch.Tensor, function: str) -> torch.Tensor:
     return out
 
 
-def encode_derivative(x: torch.Tensor, offset: int, function: str = GIVEN) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`hot_compile.runtime.aten_impl.encode_derivative` at 4 bits: the derivative ``function``
+def encode_derivative(
+    x: torch.Tensor, offset: int, function: str = GIVEN, bits: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`hot_compile.runtime.aten_impl.encode_derivative` at 4 bits (``bits``, checked): the derivative ``function``
     of ``x: [..., C]`` (``C`` even), or ``x`` itself for ``GIVEN``, as two codes a byte ``[..., C/2]``
     (uint8), with the rows' ``lo`` and ``step`` (``[..., 1]``, float32); ``offset``: the noise's
     :func:`~hot_compile.runtime.quant.noise_offset`. A derivative is computed a row at a time
     (:func:`derivative`), in float32, within 3·10⁻⁷ of the exact one."""
-    check_derivative(4, function)
+    check_derivative(bits, function)
     lib, code = _library(), _dtype_code(x)
     x, rows, cols = _rows_of(x)
     if cols % 2:

@@ -296,8 +296,7 @@ def _(x, bits):
 
 @encode_derivative.register_kernel("cpu")
 def _(x, seed, bits, function):
-    aten_impl.check_derivative(bits, function)  # the library codes 4 bits
-    return cpu_kernels.encode_derivative(x, noise_offset(seed, aten_impl.SALT_DERIVATIVE), function)
+    return cpu_kernels.encode_derivative(x, noise_offset(seed, aten_impl.SALT_DERIVATIVE), function, bits)
 
 
 @hq_grad_input.register_kernel("cpu")
