@@ -192,6 +192,6 @@ def encode_derivative(
     with the rows' ``lo`` and ``step``: of ``x`` itself (``function=GIVEN``), or of
     ``DERIVATIVES[function]`` evaluated on ``x`` in float32."""
     check_derivative(bits, function)
-    value = x if function == GIVEN else derivative_of(function)(x.float())
+    value = x if function == GIVEN else DERIVATIVES[function](x.float())
     codes, lo, step = quantize_range_stochastic(value, bits, seed, salt=SALT_DERIVATIVE)
     return pack_nibbles(codes), lo, step
