@@ -39,6 +39,23 @@ def test_comparison_takes_options_on_top_of_the_task_configuration():
     assert hot.config == runner.spec("gpt").hot.replace(forward_bits=8)
 
 
+def test_comparison_under_autocast_trains_both_sides_in_bf16():
+    pytest.importorskip("sklearn", reason="task 2 needs scikit-learn's bundled digits")
+    with pytest.raises(ValueError, match="torch.bfloat16 only"):
+        runner.comparison_variants("vit", torch.float16)
+    variants = runner.comparison_variants("vit", torch.bfloat16, policy="hot")
+    assert [v.name for v in variants] == ["inductor bf16", "hot bf16"]
+    for variant in variants:
+        with variant.precision():
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with INDUCTOR.precision():
+        assert not torch.is_autocast_enabled("cpu")
+    _, (ref, hot) = runner.run("vit", variants, tiny=True, steps=2)
+    assert {row.dtype for row in hot.report.products()} == {"bfloat16"}
+    assert hot.report.select(decision="HQ")
+    assert all(torch.isfinite(torch.tensor(r.train_loss)).all() and "accuracy" in r.final for r in (ref, hot))
+
+
 def test_side_by_side_same_start_same_data():
     task = gpt.ByteLMTask(gpt.TINY, eval_windows=4)
     seen = []

@@ -8,6 +8,8 @@ import argparse
 import json
 import sys
 
+import torch
+
 from . import runner
 
 
@@ -20,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         "--tasks", type=lambda v: v.split(","), default=list(runner.TASKS), metavar="A,B",
         help=f"the tasks gradient-error measures (default: all of {','.join(runner.TASKS)})",
     )  # fmt: skip
+    parser.add_argument(
+        "--autocast", choices=["bf16"], default=None,
+        help="train and evaluate both variants under torch.autocast('cpu', torch.bfloat16); Inductor bf16 is the reference",
+    )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny model and data, a few steps")
     parser.add_argument("--json", metavar="PATH", help="also write every number (curves, reports) as JSON")
     parser.add_argument(
@@ -27,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         help="HotConfig settings of the hot variant on top of the task's, e.g. '{\"forward_bits\": 8}'",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.autocast and args.task in ("ablation", "gradient-error"):
+        parser.error(f"--autocast applies to a task's comparison, not to {args.task}")
     if args.task == "gradient-error":
         return _gradient_errors(args)
 
@@ -34,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.task == "ablation":
         variants = runner.ablation_variants(runner.EVERY_PRODUCT.replace(**args.options))
     else:
-        variants = runner.comparison_variants(name, **args.options)
+        variants = runner.comparison_variants(name, torch.bfloat16 if args.autocast else None, **args.options)
 
     def progress(step: int, losses: dict[str, float]) -> None:
         if step % 50 == 0:

@@ -11,6 +11,7 @@ of them at once and a stopped run still compares like with like.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -33,15 +34,18 @@ Batch = tuple[torch.Tensor, ...]
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One way of compiling the model: ``config=None`` is ``backend="inductor"`` (the fp32 reference).
+    """One way of compiling the model: ``config=None`` is ``backend="inductor"`` (the reference).
 
     ``calibrated``: the HQ gradient quantizer of each layer comes from :func:`hot_compile.select_quantizers`
     (LQS) on the task's calibration batches and the initial weights (``HotConfig.plan``).
+    ``autocast``: the forward, training and evaluation alike, runs under ``torch.autocast("cpu", autocast)``,
+    as a CPU user with bf16 hardware trains; ``None`` is float32.
     """
 
     name: str
     config: HotConfig | None = None
     calibrated: bool = False
+    autocast: torch.dtype | None = None
 
     def compile(self, model: nn.Module, plan: QuantizerPlan | None = None) -> nn.Module:
         if self.config is None:
@@ -49,8 +53,13 @@ class Variant:
         config = self.config.replace(plan=plan) if self.calibrated else self.config
         return torch.compile(model, backend=hot_compile.backend(config))
 
+    def precision(self) -> contextlib.AbstractContextManager:
+        """The autocast region the variant's forwards run in (a no-op in float32)."""
+        return torch.autocast("cpu", self.autocast or torch.bfloat16, enabled=self.autocast is not None)
+
 
 INDUCTOR = Variant("inductor fp32")
+INDUCTOR_BF16 = Variant("inductor bf16", autocast=torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,13 +153,20 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor, prefix: s
     }
 
 
-def saved_activation_bytes(model: nn.Module, batch: Batch) -> int:
-    """Bytes the forward of ``model`` keeps for its backward on ``batch``, parameters excluded.
+def saved_activation_bytes(model: nn.Module, batch: Batch, precision: contextlib.AbstractContextManager) -> int:
+    """Bytes the forward of ``model`` (run in ``precision``) keeps for its backward on ``batch``,
+    parameters excluded.
 
     Counted by storage through ``saved_tensors_hooks`` (each storage once), then the backward runs
     so the graph is freed; gradients are cleared and no optimizer step is taken.
     """
-    total = saved_for_backward_bytes(lambda: model(*batch).backward(), model.parameters())
+
+    def step() -> None:
+        with precision:
+            loss = model(*batch)
+        loss.backward()
+
+    total = saved_for_backward_bytes(step, model.parameters())
     model.zero_grad(set_to_none=True)
     return total
 
@@ -175,7 +191,8 @@ class _Run:
         outside = torch.get_rng_state()
         torch.set_rng_state(self.rng)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.compiled(*batch)
+        with self.variant.precision():
+            loss = self.compiled(*batch)
         loss.backward()
         self.optimizer.step()
         self.scheduler.step()
@@ -191,14 +208,14 @@ class _Run:
         return value
 
 
-def _evaluate(task: Task, model: nn.Module) -> dict[str, float]:
+def _evaluate(task: Task, variant: Variant, model: nn.Module) -> dict[str, float]:
     # Evaluation runs the eager module: HOT rewrites training graphs only (an inference graph compiles
-    # as under Inductor), so evaluation is the same function under every variant, and no variant pays
-    # for an extra inference-graph compile.
+    # as under Inductor), so evaluation is the same function under every variant of one precision,
+    # and no variant pays for an extra inference-graph compile.
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), variant.precision():
             return task.evaluate(model)
     finally:
         model.train(was_training)
@@ -235,10 +252,10 @@ def train_side_by_side(
             last = step + 1 == schedule.steps
             if last or (schedule.eval_every and (step + 1) % schedule.eval_every == 0):
                 for run in runs:
-                    run.result.evals.append((step + 1, _evaluate(task, run.model)))
+                    run.result.evals.append((step + 1, _evaluate(task, run.variant, run.model)))
         if batch is not None:
             for run in runs:
-                run.result.saved_bytes = saved_activation_bytes(run.compiled, batch)
+                run.result.saved_bytes = saved_activation_bytes(run.compiled, batch, run.variant.precision())
     return [run.result for run in runs]
 
 

@@ -6,9 +6,11 @@ import dataclasses
 import json
 from typing import Callable, Sequence
 
+import torch
+
 from ...config import PAPER_RECIPE, HotConfig
 from ...plan import PAPER_RANK
-from .common import INDUCTOR, RunResult, Schedule, Task, Variant, gap, train_side_by_side
+from .common import INDUCTOR, INDUCTOR_BF16, RunResult, Schedule, Task, Variant, gap, train_side_by_side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +75,16 @@ def spec(name: str) -> TaskSpec:
     return specs[name]
 
 
-def comparison_variants(name: str, **options) -> list[Variant]:
-    """``backend="inductor"`` fp32 and ``backend="hot"`` with the task's configuration, and ``options``
-    on top of it."""
-    return [INDUCTOR, Variant("hot", dataclasses.replace(spec(name).hot, **options))]
+def comparison_variants(name: str, autocast: torch.dtype | None = None, **options) -> list[Variant]:
+    """``backend="inductor"`` and ``backend="hot"`` with the task's configuration, and ``options`` on top
+    of it; both in float32, or both under ``torch.autocast("cpu", autocast)``, where Inductor under the
+    same autocast is the reference."""
+    hot = dataclasses.replace(spec(name).hot, **options)
+    if autocast is None:
+        return [INDUCTOR, Variant("hot", hot)]
+    if autocast != torch.bfloat16:
+        raise ValueError(f"autocast={autocast}: the tasks train on the CPU, whose autocast takes torch.bfloat16 only")
+    return [INDUCTOR_BF16, Variant("hot bf16", hot, autocast=autocast)]
 
 
 def ablation_variants(base: HotConfig) -> list[Variant]:
