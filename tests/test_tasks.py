@@ -56,6 +56,19 @@ def test_comparison_under_autocast_trains_both_sides_in_bf16():
     assert all(torch.isfinite(torch.tensor(r.train_loss)).all() and "accuracy" in r.final for r in (ref, hot))
 
 
+def test_gradient_error_under_autocast_stands_beside_inductors_in_bf16():
+    pytest.importorskip("sklearn", reason="task 2 needs scikit-learn's bundled digits")
+    from hot_compile.harness.tasks.gradient_noise import gradient_error
+
+    task = runner.spec("vit").build(True)
+    fp32 = gradient_error(task, {"policy": "hot"}, batch=8, reference_batch=32)
+    bf16 = gradient_error(task, {"policy": "hot"}, batch=8, reference_batch=32, autocast=torch.bfloat16)
+    assert fp32.rewritten == bf16.rewritten > 0
+    assert fp32.sampling_noise == bf16.sampling_noise  # float64 on both sides, whatever the autocast
+    # Inductor's error is float32 rounding alone, or bf16's (2⁻⁸ a rounding) under autocast.
+    assert fp32.inductor_error <= tol.FP32_VS_REFERENCE < tol.BF16_ROUNDING <= bf16.inductor_error
+
+
 def test_side_by_side_same_start_same_data():
     task = gpt.ByteLMTask(gpt.TINY, eval_windows=4)
     seen = []
@@ -228,3 +241,5 @@ def test_minilm_gradient_error_at_the_defaults_is_a_tenth_of_the_sampling_noise(
     print(measured.as_dict())
     assert measured.rewritten >= 0.6 * measured.sites
     assert measured.error <= tol.GRADIENT_ERROR_PER_SAMPLING_NOISE * measured.sampling_noise
+    # Inductor in float32 beside it: float32 rounding alone, far below HOT's integer products.
+    assert measured.inductor_error <= tol.FP32_VS_REFERENCE < measured.error
