@@ -5,8 +5,11 @@ deterministic.
 """
 
 import argparse
+import importlib.util
 import json
 import math
+import pathlib
+import statistics
 
 import pytest
 import torch
@@ -218,3 +221,17 @@ def test_steps_are_taken_in_turn_with_no_runner_keeping_one_place():
     assert order[:3] == [("warmup", "a"), ("warmup", "b"), ("warmup", "c")]
     rounds = [[name for i, name in order[3:] if i == k] for k in range(3)]
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+
+
+def test_option_cost_pairs_each_round_with_its_own():
+    spec = importlib.util.spec_from_file_location("option_cost", pathlib.Path(__file__).parent.parent / "tools" / "option_cost.py")
+    option_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(option_cost)
+    # The machine slows fourfold within round 2, between its two steps: the sides' medians alone give
+    # 110 / 400, the rounds' own ratios 1.1 but for that one.
+    reference = [100.0, 100.0, 400.0, 400.0, 400.0]
+    steps = [110.0, 110.0, 110.0, 440.0, 440.0]
+    assert option_cost.paired_ratio(steps, reference) == pytest.approx(1.1)
+    assert statistics.median(steps) / statistics.median(reference) == pytest.approx(0.275)
+    with pytest.raises(ValueError, match="one each per round"):
+        option_cost.paired_ratio(steps[:4], reference)

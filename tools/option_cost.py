@@ -1,11 +1,14 @@
 """What one HOT setting costs a training step: the hot variants with and without it, in one process.
 
 Runs of ``tools/bench.py`` minutes apart differ by more than a few percent on a shared VM. Here each
-hot variant is compiled twice, at the defaults and with ``--options`` on top, and the four runners
-take their steps in turn, in a rotating order (:func:`hot_compile.harness.bench_cases.take_steps`), so
-that both sides of each ratio meet the same machine.
+hot variant is compiled twice, at the defaults and with ``--options`` on top, and the runners take
+their steps in turn, in a rotating order (:func:`hot_compile.harness.bench_cases.take_steps`), so
+that both sides of each ratio meet the same machine. Two ratios are reported: of the two sides'
+median steps, and the median over rounds of the ratio within a round, which a drift of the machine's
+speed over seconds moves less.
 
     python tools/option_cost.py --model vit --options '{"compress_saved": false}' --out benchmarks/DIR
+    python tools/option_cost.py --model vit --variants hot-bf16 --steps 40 --options '{"compress_saved": false}' --out DIR
 """
 
 from __future__ import annotations
@@ -19,6 +22,14 @@ import sys
 WARMUP = 3
 
 
+def paired_ratio(steps: list[float], reference: list[float]) -> float:
+    """The median over rounds of ``steps[i] / reference[i]``: both sides' steps of round ``i`` ran
+    seconds apart, so a drift of the machine's speed between rounds cancels."""
+    if len(steps) != len(reference) or not steps:
+        raise ValueError(f"paired_ratio: {len(steps)} and {len(reference)} steps; one each per round is needed")
+    return statistics.median(s / r for s, r in zip(steps, reference))
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -27,12 +38,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=bench_cases.MODELS, required=True)
     parser.add_argument("--options", type=json.loads, required=True, help="HotConfig settings of the other side, as JSON")
+    parser.add_argument(
+        "--variants", type=lambda v: tuple(v.split(",")), default=("hot-fp32", "hot-bf16"), metavar="A,B",
+        help="the hot variants measured (default: hot-fp32,hot-bf16)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per runner (default 10)")
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    variants = ("hot-fp32", "hot-bf16")
+    variants = args.variants
+    if not variants or any(v not in ("hot-fp32", "hot-bf16") for v in variants):
+        parser.error(f"--variants {','.join(variants)}: accepted are hot-fp32 and hot-bf16")
     spec = bench_cases.BenchSpec(models=(args.model,), variants=variants, fresh_cache=False)
     case = bench_cases.build_case(args.model, spec)
     if isinstance(case, str):
@@ -44,13 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         runner.first_step()
     bench_cases.take_steps(list(runners.values()), WARMUP, args.steps)
     ms = {f"{v}, {side}": statistics.median(r.fwd_bwd) * 1e3 for (v, side), r in runners.items()}
+    paired = {v: paired_ratio(runners[v, "with options"].fwd_bwd, runners[v, "defaults"].fwd_bwd) for v in variants}
     command = "python tools/option_cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [f"`{command}`", "", f"| {args.model} | defaults ms | with {json.dumps(args.options)} ms | with / defaults |", "|---|---|---|---|"]
+    lines = [
+        f"`{command}`",
+        "",
+        f"| {args.model} | defaults ms | with {json.dumps(args.options)} ms | with / defaults | with / defaults, paired by round |",
+        "|---|---|---|---|---|",
+    ]
     for v in variants:
         base, other = ms[f"{v}, defaults"], ms[f"{v}, with options"]
-        lines.append(f"| {v} | {base:.1f} | {other:.1f} | {other / base:.3f} |")
+        lines.append(f"| {v} | {base:.1f} | {other:.1f} | {other / base:.3f} | {paired[v]:.3f} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"option_cost_{args.model}.json").write_text(json.dumps({"command": command, "median_ms": ms}, indent=2))
+    record = {"command": command, "median_ms": ms, "paired_ratio": paired}
+    (args.out / f"option_cost_{args.model}.json").write_text(json.dumps(record, indent=2))
     (args.out / f"option_cost_{args.model}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
