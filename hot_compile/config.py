@@ -109,8 +109,9 @@ class HotConfig:
             of its derivative, which HOT's encoder computes from that input
             (:mod:`hot_compile.passes.saved_activations`), under every policy but
             ``"speed"`` and ``"off"``; ``"balanced"`` compresses the values that save the most bytes
-            per estimated second while the added time stays within ``max_slowdown`` of the graph's
-            products' estimate as they run (HOT's variants where rewritten); rows of path
+            per estimated second while the added time stays within ``max_slowdown`` of the step's
+            estimated floor (its products as they run, HOT's variants where rewritten, its fused
+            attention, and the write and read of what the forward saves); rows of path
             ``"saved"`` in the report. On by default; off saves what the partitioner chose, with no
             rows.
         saved_derivative_bits: with ``compress_saved``, the width of the code a pointwise function's

@@ -13,6 +13,7 @@ import torch
 from .config import HotConfig
 from .passes.attention_precision import FLASH_CPU_BACKWARD
 from .passes.cost_model import SiteCost, forward_cost, grad_input_cost, grad_weight_cost
+from .passes.cost_model import attention_flops as attention_flops_of
 from .passes.numerics import resolve_numerics
 from .runtime import cpu_kernels
 from .runtime.devices import DTYPES, DeviceProfile, cpu_identity
@@ -150,9 +151,25 @@ def _fitted_op_overhead(profile: DeviceProfile, repeats: int, layers=OVERHEAD_LA
     return max(numerator / denominator, 0.0)
 
 
+# ViT-S's attention heads at batch 8.
+ATTENTION_SHAPE = (8, 6, 197, 64)
+
+
+def _attention_seconds(dtype: torch.dtype, repeats: int):
+    """Seconds of the flash-attention forward and backward at :data:`ATTENTION_SHAPE` in ``dtype``, and
+    the backward's operands ``(grad, q, k, v, out, lse)``."""
+    q, k, v = (torch.randn(ATTENTION_SHAPE, dtype=dtype) for _ in range(3))
+    forward = lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)
+    out, lse = forward()[:2]
+    grad = torch.randn_like(out)
+    backward = median_seconds(lambda: FLASH_CPU_BACKWARD(grad, q, k, v, out, lse, 0.0, False), repeats)
+    return median_seconds(forward, repeats), backward, (grad, q, k, v, out, lse)
+
+
 def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
-    bandwidths, the per-call overhead, which precision runs the attention backward faster, the
+    bandwidths, the per-call overhead, the fused attention's rate per dtype and which precision runs
+    its backward faster, the
     transform + quantize rate fitted to the compiled HQ op
     (see :func:`_fitted_transform_rate`), the derivative code's rounding rate
     (:func:`_stochastic_code_rate`), then the per-op overhead fitted to training steps of small
@@ -186,11 +203,18 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     fresh_write_bw = big.numel() * 4 / median_seconds(lambda: torch.empty_like(big).fill_(1.0), repeats)
     tiny = torch.randn(4, 4)
     kernel_overhead = median_seconds(lambda: tiny.add(1), 50)
-    # ViT-S's attention at batch 8: the bf16 flash-attention backward against float32 with the casts.
-    q, k, v = (torch.randn(8, 6, 197, 64, dtype=torch.bfloat16) for _ in range(3))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[:2]
-    grad = torch.randn_like(out)
-    bf16_backward = median_seconds(lambda: FLASH_CPU_BACKWARD(grad, q, k, v, out, lse, 0.0, False), repeats)
+    b, h, l, e = ATTENTION_SHAPE
+    attention = {dtype: _attention_seconds(dtype, repeats) for dtype in (torch.float32, torch.bfloat16)}
+    # The faster direction's rate: DeviceProfile.attention_flops.
+    attention_flops = {
+        str(dtype).removeprefix("torch."): max(
+            attention_flops_of(b, h, l, l, e, e, backward=False, causal=False) / forward,
+            attention_flops_of(b, h, l, l, e, e, backward=True, causal=False) / backward,
+        )
+        for dtype, (forward, backward, _) in attention.items()
+    }
+    # The bf16 flash-attention backward against float32 with the casts.
+    _, bf16_backward, (grad, q, k, v, out, lse) = attention[torch.bfloat16]
     upcast = (grad, q, k, v, out)
     fp32_backward = median_seconds(
         lambda: [g.bfloat16() for g in FLASH_CPU_BACKWARD(*(t.float() for t in upcast), lse, 0.0, False)], repeats
@@ -208,6 +232,7 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         narrow_int8_ops=narrow_int8_ops,
         fp32_attention_backward=fp32_backward < bf16_backward,
         int8_fused_epilogue=fused_epilogue,
+        attention_flops=attention_flops,
     )
     measured = dataclasses.replace(
         measured,

@@ -39,7 +39,7 @@ from .rewrite_grad_input import rewrite_grad_input
 from .rewrite_grad_weight import CompressedActivations, rewrite_grad_weight
 from .saved_activations import compress_saved_values, find_saved_values, saved_row
 from .saved_activations import why_not_selected as why_saved_not_selected
-from .saved_budget import compression_cost, keep_over_budget
+from .saved_budget import compression_cost, keep_over_budget, step_floor
 from .sites import LinearSite, WeightLike, backward_nodes, find_linear_sites, module_path, same_value
 from .unbatch import unbatch_weight_products
 from .unmatched import UnmatchedProduct, find_unmatched_products
@@ -347,10 +347,10 @@ def run_saved_pass(
     """Compress what the partitioned forward ``fw`` saves for ``bw`` (:mod:`.saved_activations`) in
     place; returns a row for each saved activation. ``parameters`` as for :func:`run_hot_pass`.
 
-    Under ``policy="balanced"`` the compression adds at most ``max_slowdown`` of the estimated time of
-    the graph's ``products`` (the joint pass's rows) as they run (:attr:`~.report.SiteRow.est_ms`:
-    HOT's variant where it rewrote one), so the budget is a share of the step it slows, not of the
-    float products HOT replaced: the values that save the most bytes per estimated second go first,
+    Under ``policy="balanced"`` the compression adds at most ``max_slowdown`` of the step's estimated
+    floor (:func:`~.saved_budget.step_floor`: the graph's ``products``, the joint pass's rows, as they
+    run, its fused attention, and the traffic of what the forward saves), so the budget is a share of
+    the step it slows, never more: the values that save the most bytes per estimated second go first,
     and the rest are kept. ``"hot"`` and ``"memory"`` compress every eligible value."""
     saved = find_saved_values(fw, bw, num_fwd_outputs, parameters)
     profiles: dict = {}
@@ -366,12 +366,13 @@ def run_saved_pass(
             if module_config.policy == "balanced":
                 balanced.append((s, costs[id(s)]))
     products_s = sum(r.est_ms or 0.0 for r in products) / 1e3
-    budget = config.max_slowdown * products_s
+    floor_s = step_floor((fw, bw), saved, products_s, lambda device: _profile(device, config, profiles))
+    budget = config.max_slowdown * floor_s
     keep_over_budget(
         balanced,
         budget,
-        f"kept: over the budget of policy='balanced', max_slowdown={config.max_slowdown:g} × the products' "
-        f"estimated {products_s * 1e3:.3g} ms = {budget * 1e3:.3g} ms of added time, spent on the values that save most per ms",
+        f"kept: over the budget of policy='balanced', max_slowdown={config.max_slowdown:g} × the step's estimated "
+        f"floor {floor_s * 1e3:.3g} ms = {budget * 1e3:.3g} ms of added time, spent on the values that save most per ms",
     )
     compress_saved_values(fw, bw, saved)
     rows = [saved_row(s, costs.get(id(s))) for s in saved]

@@ -26,6 +26,20 @@ aten = torch.ops.aten
 FLASH_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 HALF = (torch.bfloat16, torch.float16)
 REWRITE = "attention_backward_fp32"
+# The fused kernels of scaled_dot_product_attention: query, key, value are a forward's first three
+# arguments and a backward's second to fourth.
+ATTENTION_FORWARDS = (
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+)
+ATTENTION_BACKWARDS = (
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
+)
 
 
 @dataclasses.dataclass

@@ -160,6 +160,20 @@ def saved_compression_cost(
     return SiteCost(0.0, hot, saved_bytes_before=numel * elem_bytes, saved_bytes_after=packed)
 
 
+def attention_flops(b: int, h: int, l: int, s: int, e: int, ev: int, backward: bool, causal: bool) -> int:
+    """A fused attention of ``B·H`` heads, ``L`` queries and ``S`` keys of width ``E``, values of width
+    ``Ev``: forward ``2·B·H·L·S·(E + Ev)`` (``QKᵀ``, then ``PV``), backward ``2·B·H·L·S·(3E + 2Ev)``
+    (the scores again, ``dP``, ``dV``, ``dQ``, ``dK``), as ``torch.utils.flop_counter`` counts them;
+    half of that where the mask is causal, whose kernels skip the blocks above the diagonal."""
+    flops = 2 * b * h * l * s * ((3 * e + 2 * ev) if backward else (e + ev))
+    return flops // 2 if causal else flops
+
+
+def saved_traffic_time(nbytes: int, profile: DeviceProfile) -> float:
+    """``n / W + n / R``: a value of ``n`` bytes the forward writes for the backward, which reads it."""
+    return profile.write_seconds(nbytes) + nbytes / profile.read_bw
+
+
 def forward_cost(l: int, n: int, k: int, elem_bytes: int, flops: float, profile: DeviceProfile, bits: int) -> SiteCost:
     """forward ``[L, K] @ [K, N]`` with ``bits``-bit operands (``HotConfig.forward_bits``): HQ's
     costs with the roles of ``N`` and ``K`` exchanged, the contraction being ``K``.

@@ -36,6 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..runtime import ops
 from ..runtime.aten_impl import GIVEN
 from ..runtime.quant import dequantize, unpack_nibbles
+from .attention_precision import ATTENTION_BACKWARDS, ATTENTION_FORWARDS
 from .cost_model import SiteCost
 from .inline import insert_traced
 from .legality import unsupported
@@ -52,19 +53,6 @@ DERIVATIVE_BITS = 4
 MIN_ROW = 16
 INT8_ROWS = "int8"
 DERIVATIVE = "f' 4-bit"
-
-_ATTENTION_FORWARDS = (
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-)
-_ATTENTION_BACKWARDS = (
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten._scaled_dot_product_flash_attention_backward.default,
-    aten._scaled_dot_product_efficient_attention_backward.default,
-    aten._scaled_dot_product_cudnn_attention_backward.default,
-)
 
 
 @dataclasses.dataclass
@@ -84,11 +72,11 @@ class SavedValue:
 
 
 def _is_log_sum_exp(node: fx.Node) -> bool:
-    return node.target is operator.getitem and node.args[0].target in _ATTENTION_FORWARDS and node.args[1] == 1
+    return node.target is operator.getitem and node.args[0].target in ATTENTION_FORWARDS and node.args[1] == 1
 
 
 def _is_attention_mask(placeholder: fx.Node) -> bool:
-    return any(u.target in _ATTENTION_BACKWARDS and u.kwargs.get("attn_mask") is placeholder for u in placeholder.users)
+    return any(u.target in ATTENTION_BACKWARDS and u.kwargs.get("attn_mask") is placeholder for u in placeholder.users)
 
 
 def memory_order(val: torch.Tensor) -> list[int] | None:
@@ -106,7 +94,7 @@ def memory_order(val: torch.Tensor) -> list[int] | None:
 
 
 def _reads_any_layout(node: fx.Node) -> bool:
-    return node.target in _ATTENTION_BACKWARDS or torch.Tag.pointwise in getattr(node.target, "tags", ())
+    return node.target in ATTENTION_BACKWARDS or torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
 def why_kept(node: fx.Node, placeholder: fx.Node, inner_outputs: set[fx.Node], weight_like: WeightLike) -> str | None:

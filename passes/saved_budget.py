@@ -1,13 +1,17 @@
 """What compressing a saved value costs a step, and which values ``policy="balanced"`` affords: the
 profitability of :mod:`.saved_activations`, whose legality (:func:`~.saved_activations.why_kept`) runs
-first."""
+first. The budget is a share of the step's floor (:func:`step_floor`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..runtime.aten_impl import GIVEN
-from .cost_model import SiteCost, saved_compression_cost
+from .attention_precision import ATTENTION_BACKWARDS, ATTENTION_FORWARDS
+from .cost_model import SiteCost, attention_flops, saved_compression_cost, saved_traffic_time
 from .saved_activations import DERIVATIVE_BITS, ROW_BITS, SavedValue, derivative_dtype
 
 
@@ -37,3 +41,40 @@ def keep_over_budget(costed: list[tuple[SavedValue, SiteCost]], budget_s: float,
             spent += cost.hot_s
         else:
             s.reason = why
+
+
+def _argument(node: fx.Node, name: str):
+    """The value of ``node``'s argument ``name``, passed or defaulted."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            if arg.kwarg_only or i >= len(node.args):
+                return node.kwargs.get(name, arg.default_value)
+            return node.args[i]
+    raise KeyError(name)
+
+
+def attention_seconds(node: fx.Node, profile) -> float:
+    """A fused attention forward or backward at the device's attention rate."""
+    backward = node.target in ATTENTION_BACKWARDS
+    q, k, v = (a.meta["val"] for a in node.args[int(backward) : int(backward) + 3])
+    b, h, l, e = (optimization_hint(d) for d in q.shape)
+    s, ev = optimization_hint(k.shape[-2]), optimization_hint(v.shape[-1])
+    flops = attention_flops(b, h, l, s, e, ev, backward, bool(_argument(node, "is_causal")))
+    return flops / profile.attention_rate(q.dtype) + profile.kernel_overhead
+
+
+def step_floor(graphs: tuple[fx.GraphModule, ...], saved: list[SavedValue], products_s: float, profile_of: Callable) -> float:
+    """Seconds a training step takes at least, at the profile's rates: its products as they run (``products_s``, the joint
+    pass's estimate), every fused attention of its ``graphs`` (:func:`attention_seconds`), and the write
+    and read of every tensor in ``saved``, as the partitioner chose them
+    (:func:`~.cost_model.saved_traffic_time`). Norms, pointwise kernels and casts are left out, so a
+    share of this floor is at most that share of the step. ``profile_of`` maps a device to its profile."""
+    total = products_s
+    for graph in graphs:
+        for target in ATTENTION_FORWARDS + ATTENTION_BACKWARDS:
+            for node in graph.graph.find_nodes(op="call_function", target=target):
+                total += attention_seconds(node, profile_of(node.args[0].meta["val"].device))
+    for s in saved:
+        val = s.forward.meta["val"]
+        total += saved_traffic_time(optimization_hint(val.numel()) * val.element_size(), profile_of(val.device))
+    return total

@@ -133,6 +133,7 @@ def test_calibrate_device_cli(monkeypatch, tmp_path, capsys):
     assert cli.main(["calibrate-device", "--size", "64", "--repeats", "1"]) == 0
     profile = devices.load_calibrated()
     assert profile is not None and profile.int8_ops > 0 and profile.stochastic_code_rate > 0
+    assert set(profile.attention_flops) == {"float32", "bfloat16"}
     assert devices.resolve_profile(torch.device("cpu")) == profile
     assert "saved to" in capsys.readouterr().out
 
@@ -253,3 +254,29 @@ def test_op_overhead_is_the_least_squares_fit_of_step_residuals(monkeypatch):
 
     monkeypatch.setattr(device_calibration, "layer_step_seconds", steps)
     assert device_calibration._fitted_op_overhead(profile, repeats=1) == pytest.approx(o)
+
+
+@pytest.mark.parametrize("shape", [(2, 6, 197, 197, 64, 64), (3, 4, 128, 96, 32, 48)])
+def test_attention_flops_count_as_torch_flop_counter_does(shape):
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    b, h, l, s, e, ev = shape
+    q, k, v, out = (b, h, l, e), (b, h, s, e), (b, h, s, ev), (b, h, l, ev)
+    assert cost_model.attention_flops(*shape, backward=False, causal=False) == sdpa_flop_count(q, k, v)
+    assert cost_model.attention_flops(*shape, backward=True, causal=False) == sdpa_backward_flop_count(out, q, k, v)
+    assert cost_model.attention_flops(*shape, backward=True, causal=True) == sdpa_backward_flop_count(out, q, k, v) // 2
+
+
+def test_attention_is_priced_at_its_own_rate_where_the_profile_has_one():
+    """The fused attention kernels run far below the matmul rate on the CPUs measured; a dtype the
+    profile did not measure falls back to the matmul rate, so an estimate from it stays a floor."""
+    assert CPU.attention_rate(torch.float32) == CPU.attention_flops["float32"] < CPU.matmul_rate(torch.float32)
+    assert CPU.attention_rate(torch.float16) == CPU.matmul_rate(torch.float16)
+    assert H100.attention_rate(torch.bfloat16) == H100.matmul_rate(torch.bfloat16)
+    with pytest.raises(ValueError, match="positive"):
+        dataclasses.replace(CPU, attention_flops={"float32": 0.0})
+
+
+def test_a_saved_value_is_written_once_and_read_once():
+    nbytes = 3 * devices.MMAP_THRESHOLD_BYTES
+    assert cost_model.saved_traffic_time(nbytes, CPU) == pytest.approx(nbytes / CPU.fresh_write_bw + nbytes / CPU.read_bw)

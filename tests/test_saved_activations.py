@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import math
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hot_compile
+import hot_compile.passes as hot_passes
 from hot_compile import HotConfig
 from hot_compile.harness import models
 from hot_compile.inductor_pass import HotPassWarning
@@ -20,7 +22,7 @@ from hot_compile.passes.cost_model import SiteCost
 from hot_compile.passes.provenance import META_KEY
 from hot_compile.passes.report import SiteRow
 from hot_compile.passes.saved_activations import DERIVATIVE, DERIVATIVE_BITS, INT8_ROWS
-from hot_compile.passes.saved_budget import keep_over_budget
+from hot_compile.passes.saved_budget import keep_over_budget, step_floor
 from hot_compile.runtime import aten_impl, quant
 from tests import tolerances as tol
 from tests.data import make, rel_err
@@ -258,23 +260,26 @@ def test_the_budget_compresses_the_most_bytes_per_second_first():
 
 
 def _saved_under_balanced(max_slowdown: float):
-    _, _, _, report = _block_step(HotConfig(strict=True, compress_saved=True, max_slowdown=max_slowdown))
+    floors = []
+    with mock.patch.object(hot_passes, "step_floor", lambda *args: floors.append(step_floor(*args)) or floors[-1]):
+        _, _, _, report = _block_step(HotConfig(strict=True, compress_saved=True, max_slowdown=max_slowdown))
     rows = report.select(path="saved")
     products_ms = sum(r.est_ms or 0.0 for r in report.products())
-    return [r for r in rows if r.decision != "kept"], [r for r in rows if "over the budget" in r.reason], products_ms
+    (floor_s,) = floors
+    return [r for r in rows if r.decision != "kept"], [r for r in rows if "over the budget" in r.reason], products_ms, floor_s * 1e3
 
 
-def test_balanced_compresses_within_max_slowdown_of_the_products_estimate_as_they_run():
-    compressed, over, _ = _saved_under_balanced(0.1)  # the default
-    assert over and not compressed  # a 64-wide block: each encoder's fixed cost is over the budget
-    # At 5 the block's products stay kept (HOT's estimates are 18-20x theirs at this width), and the
-    # budget, 5x their estimate, takes some of the values.
-    compressed, over, products_ms = _saved_under_balanced(5.0)
-    assert compressed and over
-    spent, budget = sum(r.est_hot_ms for r in compressed), 5.0 * products_ms
-    assert spent <= budget
-    # Each value kept over the budget would have overrun it, after the ones that save more per ms.
-    assert all(spent + r.est_hot_ms > budget and r.saved_bytes_after == r.saved_bytes_before for r in over)
+def test_balanced_compresses_within_max_slowdown_of_the_step_floor():
+    decided = {m: _saved_under_balanced(m) for m in (0.1, 5.0)}
+    for max_slowdown, (compressed, over, products_ms, floor_ms) in decided.items():
+        # The block's attention and the traffic of what its forward saves count beside its products.
+        assert over and floor_ms > products_ms
+        spent, budget = sum(r.est_hot_ms for r in compressed), max_slowdown * floor_ms
+        assert spent <= budget
+        # Each value kept over the budget would have overrun it, after the ones that save more per ms.
+        assert all(spent + r.est_hot_ms > budget and f"{floor_ms:.3g} ms" in r.reason for r in over)
+        assert all(r.saved_bytes_after == r.saved_bytes_before for r in over)
+    assert len(decided[0.1][0]) < len(decided[5.0][0])
 
 
 def test_a_site_is_estimated_as_it_runs():

@@ -56,6 +56,10 @@ class DeviceProfile:
             :mod:`~hot_compile.passes.saved_activations`) rounds, beyond its reads and writes: a hash per
             two values and a rounding, no transform. None: ``transform_rate``, which prices a transform
             as well.
+        attention_flops: FLOP/s of the fused attention kernels (``scaled_dot_product_attention``'s
+            forward and backward, at :func:`~hot_compile.passes.cost_model.attention_flops`' counts) per
+            dtype name, the faster direction's, so that an estimate at this rate stays a floor. A dtype
+            it lacks: ``matmul_flops``, which no fused attention reaches on the CPUs measured.
     """
 
     name: str
@@ -71,12 +75,13 @@ class DeviceProfile:
     fresh_write_bw: float | None = None
     int8_fused_epilogue: bool = False
     stochastic_code_rate: float | None = None
+    attention_flops: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = set(DTYPES) - set(self.matmul_flops)
         if missing:
             raise ValueError(f"DeviceProfile {self.name!r}: matmul_flops lacks {sorted(missing)}")
-        numbers = [*self.matmul_flops.values(), self.int8_ops, self.read_bw, self.write_bw, self.transform_rate]
+        numbers = [*self.matmul_flops.values(), *self.attention_flops.values(), self.int8_ops, self.read_bw, self.write_bw, self.transform_rate]
         numbers += [v for v in (self.narrow_int8_ops, self.fresh_write_bw, self.stochastic_code_rate) if v is not None]
         if any(not (isinstance(v, (int, float)) and v > 0) for v in numbers) or min(self.kernel_overhead, self.op_overhead) < 0:
             raise ValueError(f"DeviceProfile {self.name!r}: rates must be positive numbers")
@@ -84,6 +89,10 @@ class DeviceProfile:
 
     def matmul_rate(self, dtype: torch.dtype) -> float:
         return self.matmul_flops[str(dtype).removeprefix("torch.")]
+
+    def attention_rate(self, dtype: torch.dtype) -> float:
+        name = str(dtype).removeprefix("torch.")
+        return self.attention_flops.get(name) or self.matmul_flops[name]
 
     def write_seconds(self, nbytes: float) -> float:
         """Seconds to write a new buffer of ``nbytes``: at ``fresh_write_bw`` above
@@ -151,6 +160,9 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             kernel_overhead=4.3e-6,
             op_overhead=1.5e-4,
             fp32_attention_backward=True,  # bf16 1.3x slower at ViT-S's attention shapes, 3-4x at MiniLM's
+            # ViT-S's and MiniLM's heads: float32 103-109 GFLOP/s either way, bf16's forward 169-233
+            # and its backward 23-80.
+            attention_flops={"float32": 1.1e11, "bfloat16": 2.3e11},
         ),
         DeviceProfile(
             name="cpu-zen4-2core",  # no AMX: int8 on AVX512-VNNI, no native float16 matmul
