@@ -55,7 +55,12 @@ class Variant:
 
     def precision(self) -> contextlib.AbstractContextManager:
         """The autocast region the variant's forwards run in (a no-op in float32)."""
-        return torch.autocast("cpu", self.autocast or torch.bfloat16, enabled=self.autocast is not None)
+        return precision(self.autocast)
+
+
+def precision(autocast: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast("cpu", autocast)``, or a region that changes nothing where ``autocast`` is None."""
+    return torch.autocast("cpu", autocast or torch.bfloat16, enabled=autocast is not None)
 
 
 INDUCTOR = Variant("inductor fp32")

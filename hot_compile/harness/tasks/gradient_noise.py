@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import hot_compile
 
-from .common import Task
+from .common import Task, precision
 
 BATCH = 32
 REFERENCE_BATCH = 256
@@ -46,7 +46,7 @@ class GradientError:
 
 def _gradient(model: nn.Module, batch: tuple, autocast: torch.dtype | None = None) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", autocast or torch.bfloat16, enabled=autocast is not None):
+    with precision(autocast):
         loss = model(*batch)
     loss.backward()
     return torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
