@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.fx.operator_schemas import normalize_function
 
 from ..runtime.aten_impl import GIVEN
 from .attention_precision import ATTENTION_BACKWARDS, ATTENTION_FORWARDS
@@ -43,23 +44,14 @@ def keep_over_budget(costed: list[tuple[SavedValue, SiteCost]], budget_s: float,
             s.reason = why
 
 
-def _argument(node: fx.Node, name: str):
-    """The value of ``node``'s argument ``name``, passed or defaulted."""
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == name:
-            if arg.kwarg_only or i >= len(node.args):
-                return node.kwargs.get(name, arg.default_value)
-            return node.args[i]
-    raise KeyError(name)
-
-
 def attention_seconds(node: fx.Node, profile) -> float:
     """A fused attention forward or backward at the device's attention rate."""
     backward = node.target in ATTENTION_BACKWARDS
     q, k, v = (a.meta["val"] for a in node.args[int(backward) : int(backward) + 3])
     b, h, l, e = (optimization_hint(d) for d in q.shape)
     s, ev = optimization_hint(k.shape[-2]), optimization_hint(v.shape[-1])
-    flops = attention_flops(b, h, l, s, e, ev, backward, bool(_argument(node, "is_causal")))
+    causal = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs["is_causal"]
+    flops = attention_flops(b, h, l, s, e, ev, backward, bool(causal))
     return flops / profile.attention_rate(q.dtype) + profile.kernel_overhead
 
 

@@ -5,10 +5,8 @@ deterministic.
 """
 
 import argparse
-import importlib.util
 import json
 import math
-import pathlib
 import statistics
 
 import pytest
@@ -16,6 +14,7 @@ import torch
 
 from hot_compile import cli
 from hot_compile.harness import bench, bench_cases, bench_report
+from tests import tool_scripts
 
 FIGURES = ("fwd_bwd_ms", "bwd_ms", "saved_bytes", "compile_s", "kernel_build_s", "model_compile_s", "grad_rel_err")
 
@@ -224,9 +223,7 @@ def test_steps_are_taken_in_turn_with_no_runner_keeping_one_place():
 
 
 def test_option_cost_pairs_each_round_with_its_own():
-    spec = importlib.util.spec_from_file_location("option_cost", pathlib.Path(__file__).parent.parent / "tools" / "option_cost.py")
-    option_cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(option_cost)
+    option_cost = tool_scripts.load("option_cost")
     # The machine slows fourfold within round 2, between its two steps: the sides' medians alone give
     # 110 / 400, the rounds' own ratios 1.1 but for that one.
     reference = [100.0, 100.0, 400.0, 400.0, 400.0]

@@ -1,7 +1,5 @@
 """The CPU-side parts of the one-shot GPU check (tools/gpu_check.sh, tools/gpu_bench.py)."""
 
-import importlib.util
-import pathlib
 import subprocess
 import sys
 
@@ -9,15 +7,12 @@ import pytest
 import torch
 
 from hot_compile.observability.memory import saved_for_backward_bytes
-
-TOOLS = pathlib.Path(__file__).parent.parent / "tools"
+from tests import tool_scripts
+from tests.tool_scripts import TOOLS
 
 
 def _gpu_bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", TOOLS / "gpu_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_scripts.load("gpu_bench")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")

@@ -62,10 +62,10 @@ def _gradient_errors(args: argparse.Namespace) -> int:
     from .gradient_noise import gradient_error
 
     measured = {}
+    autocast = torch.bfloat16 if args.autocast else None
     for name in args.tasks:
         spec = runner.spec(name)
         options = {"policy": runner.EVERY_PRODUCT.policy, **args.options}
-        autocast = torch.bfloat16 if args.autocast else None
         result = gradient_error(spec.build(args.tiny), options, seed=args.seed, autocast=autocast)
         measured[name] = {"options": options, "autocast": args.autocast, **result.as_dict()}
         print(
