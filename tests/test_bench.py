@@ -7,7 +7,6 @@ deterministic.
 import argparse
 import json
 import math
-import statistics
 
 import pytest
 import torch
@@ -225,10 +224,9 @@ def test_steps_are_taken_in_turn_with_no_runner_keeping_one_place():
 def test_option_cost_pairs_each_round_with_its_own():
     option_cost = tool_scripts.load("option_cost")
     # The machine slows fourfold within round 2, between its two steps: the sides' medians alone give
-    # 110 / 400, the rounds' own ratios 1.1 but for that one.
+    # 110 / 400 = 0.275, the rounds' own ratios 1.1 but for that one.
     reference = [100.0, 100.0, 400.0, 400.0, 400.0]
     steps = [110.0, 110.0, 110.0, 440.0, 440.0]
     assert option_cost.paired_ratio(steps, reference) == pytest.approx(1.1)
-    assert statistics.median(steps) / statistics.median(reference) == pytest.approx(0.275)
     with pytest.raises(ValueError, match="one each per round"):
         option_cost.paired_ratio(steps[:4], reference)
