@@ -17,6 +17,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
 
 from .inline import insert_traced
 from .provenance import provenance
@@ -55,6 +56,12 @@ class AttentionSite:
     @property
     def dtype(self) -> torch.dtype:
         return self.node.args[0].meta["val"].dtype
+
+
+def arguments(node: fx.Node) -> dict:
+    """The arguments of an attention ``node`` (one of :data:`ATTENTION_FORWARDS` or
+    :data:`ATTENTION_BACKWARDS`) by name, defaults included."""
+    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
 
 
 def find_attention_backwards(graph: fx.Graph, backward: set[fx.Node]) -> list[AttentionSite]:

@@ -36,14 +36,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..runtime import ops
 from ..runtime.aten_impl import GIVEN
 from ..runtime.quant import dequantize, unpack_nibbles
-from .attention_precision import ATTENTION_BACKWARDS, ATTENTION_FORWARDS
+from .attention_precision import ATTENTION_BACKWARDS, ATTENTION_FORWARDS, arguments
 from .cost_model import SiteCost
 from .inline import insert_traced
 from .legality import unsupported
 from .pointwise_factor import PointwiseFactor, pointwise_factor
 from .provenance import provenance
 from .report import SiteRow
-from .sites import WeightLike, module_path
+from .sites import WeightLike, module_path, storage_source
 
 aten = torch.ops.aten
 REWRITE = "compress_saved"
@@ -76,7 +76,12 @@ def _is_log_sum_exp(node: fx.Node) -> bool:
 
 
 def _is_attention_mask(placeholder: fx.Node) -> bool:
-    return any(u.target in ATTENTION_BACKWARDS and u.kwargs.get("attn_mask") is placeholder for u in placeholder.users)
+    """An attention backward of the graph reads ``placeholder`` as its mask or bias, directly or through
+    casts and views (the float32 backward of :mod:`.attention_precision` reads an upcast mask)."""
+    graph = placeholder.graph
+    backwards = (arguments(n) for t in ATTENTION_BACKWARDS for n in graph.find_nodes(op="call_function", target=t))
+    masks = (a.get("attn_mask", a.get("attn_bias")) for a in backwards)
+    return any(isinstance(mask, fx.Node) and storage_source(mask) is placeholder for mask in masks)
 
 
 def memory_order(val: torch.Tensor) -> list[int] | None:

@@ -8,10 +8,9 @@ from collections.abc import Callable
 
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
-from torch.fx.operator_schemas import normalize_function
 
 from ..runtime.aten_impl import GIVEN
-from .attention_precision import ATTENTION_BACKWARDS, ATTENTION_FORWARDS
+from .attention_precision import ATTENTION_BACKWARDS, ATTENTION_FORWARDS, arguments
 from .cost_model import SiteCost, attention_flops, saved_compression_cost, saved_traffic_time
 from .saved_activations import DERIVATIVE_BITS, ROW_BITS, SavedValue, derivative_dtype
 
@@ -50,7 +49,7 @@ def attention_seconds(node: fx.Node, profile) -> float:
     q, k, v = (a.meta["val"] for a in node.args[int(backward) : int(backward) + 3])
     b, h, l, e = (optimization_hint(d) for d in q.shape)
     s, ev = optimization_hint(k.shape[-2]), optimization_hint(v.shape[-1])
-    causal = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs["is_causal"]
+    causal = arguments(node)["is_causal"]
     flops = attention_flops(b, h, l, s, e, ev, backward, bool(causal))
     return flops / profile.attention_rate(q.dtype) + profile.kernel_overhead
 

@@ -6,9 +6,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import torch.fx as fx
+
 import hot_compile
 from hot_compile import HotConfig
 from hot_compile.passes.attention_precision import FLASH_CPU_BACKWARD
+from hot_compile.passes.saved_activations import why_kept
 from tests import tolerances as tol
 from tests.harness import aot_compile
 from tests.models import gradient_errors
@@ -87,3 +90,15 @@ def test_float32_attention_has_no_row():
     compiled, _ = aot_compile(AttentionOnly(), HotConfig(strict=True, policy="hot", device_profile=SLOWER_BF16))
     compiled(torch.randn(2, 8, 32)).sum().backward()
     assert not hot_compile.last_report().select(path="attn")
+
+
+def test_a_saved_mask_read_through_a_cast_stays_exact():
+    """The float32 backward reads an upcast mask: saved in bf16, the mask reaches the attention through
+    the cast. Coded in int8 rows, a row holding -inf would decode to NaN (0 times an infinite scale)."""
+    graph = fx.Graph()
+    grad, q, k, v, out, lse, mask = (graph.placeholder(name) for name in ("grad", "q", "k", "v", "out", "lse", "mask"))
+    mask.meta["val"] = torch.zeros(4, 1, 40, 40, dtype=torch.bfloat16)
+    upcast = graph.call_function(torch.ops.prims.convert_element_type.default, (mask, torch.float32))
+    graph.call_function(FLASH_CPU_BACKWARD, (grad, q, k, v, out, lse, 0.0, False), {"attn_mask": upcast})
+    reason = why_kept(mask, mask, inner_outputs=set(), weight_like=lambda node: False)
+    assert reason is not None and "attention mask" in reason
