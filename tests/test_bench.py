@@ -7,13 +7,13 @@ deterministic.
 import argparse
 import json
 import math
+import statistics
 
 import pytest
 import torch
 
 from hot_compile import cli
 from hot_compile.harness import bench, bench_cases, bench_report
-from tests import tool_scripts
 
 FIGURES = ("fwd_bwd_ms", "bwd_ms", "saved_bytes", "compile_s", "kernel_build_s", "model_compile_s", "grad_rel_err")
 
@@ -221,12 +221,21 @@ def test_steps_are_taken_in_turn_with_no_runner_keeping_one_place():
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
 
 
-def test_option_cost_pairs_each_round_with_its_own():
-    option_cost = tool_scripts.load("option_cost")
-    # The machine slows fourfold within round 2, between its two steps: the sides' medians alone give
+def test_step_ratios_pair_each_round_with_its_own():
+    # The machine slows fourfold within round 2, between its two steps: the medians alone give
     # 110 / 400 = 0.275, the rounds' own ratios 1.1 but for that one.
     reference = [100.0, 100.0, 400.0, 400.0, 400.0]
     steps = [110.0, 110.0, 110.0, 440.0, 440.0]
-    assert option_cost.paired_ratio(steps, reference) == pytest.approx(1.1)
+    assert bench.paired_ratio(steps, reference) == pytest.approx(1.1)
     with pytest.raises(ValueError, match="one each per round"):
-        option_cost.paired_ratio(steps[:4], reference)
+        bench.paired_ratio(steps[:4], reference)
+    rows = [
+        {"variant": variant, "fwd_bwd_ms": statistics.median(ms), "fwd_bwd_ms_all": ms, "bwd_ms": 1.0, "saved_bytes": 1,
+         "compile_s": 1.0, "model_compile_s": 1.0, "hot_sites": []}
+        for variant, ms in (("inductor-bf16", reference), ("hot-bf16", steps))
+    ]  # fmt: skip
+    bench._add_ratios(rows)
+    inductor, hot = rows
+    assert hot["fwd_bwd_vs_same_precision"] == pytest.approx(0.275)
+    assert hot["fwd_bwd_vs_same_precision_paired"] == pytest.approx(1.1)
+    assert inductor["fwd_bwd_vs_same_precision_paired"] == 1.0

@@ -22,18 +22,11 @@ import sys
 WARMUP = 3
 
 
-def paired_ratio(steps: list[float], reference: list[float]) -> float:
-    """The median over rounds of ``steps[i] / reference[i]``: both sides' steps of round ``i`` ran
-    seconds apart, so a drift of the machine's speed between rounds cancels."""
-    if len(steps) != len(reference) or not steps:
-        raise ValueError(f"paired_ratio: {len(steps)} and {len(reference)} steps; one each per round is needed")
-    return statistics.median(s / r for s, r in zip(steps, reference))
-
-
 def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hot_compile.harness import bench_cases
+    from hot_compile.harness.bench import paired_ratio
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=bench_cases.MODELS, required=True)

@@ -4,7 +4,8 @@ Every variant of a model is compiled from the same initial weights, then the var
 by step (the starting variant rotates, the inputs rotate through a small pool), so a machine whose load
 drifts slows them all alike and the ratios between them stay meaningful. Figures per variant:
 
-* forward+backward and backward-alone time: medians over the timed steps, after warm-up;
+* forward+backward and backward-alone time: medians over the timed steps, after warm-up; against
+  Inductor at the same precision, also the step's ratio paired by round (:func:`paired_ratio`);
 * bytes saved for backward: every tensor packed by ``saved_tensors_hooks`` during one forward,
   counted once per storage, parameters excluded (casts of parameters, e.g. bf16 weights under
   autocast, are counted: the backward holds them);
@@ -104,6 +105,14 @@ def interleaved_seconds(calls: dict[str, Callable[[], object]], repeats: int, wa
     return times
 
 
+def paired_ratio(steps: list[float], reference: list[float]) -> float:
+    """The median over rounds of ``steps[i] / reference[i]``: both sides' steps of round ``i`` ran
+    seconds apart, so a drift of the machine's speed between rounds cancels."""
+    if len(steps) != len(reference) or not steps:
+        raise ValueError(f"paired_ratio: {len(steps)} and {len(reference)} steps; one each per round is needed")
+    return statistics.median(s / r for s, r in zip(steps, reference))
+
+
 def _median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3 if values else math.nan
 
@@ -173,6 +182,11 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         row["bwd_vs_inductor_fp32"] = ratio(row, _BASELINE, "bwd_ms")
         row["fwd_bwd_vs_inductor_fp32"] = ratio(row, _BASELINE, "fwd_bwd_ms")
         row["bwd_vs_same_precision"] = ratio(row, same, "bwd_ms")
+        row["fwd_bwd_vs_same_precision"] = ratio(row, same, "fwd_bwd_ms")
+        reference = by_variant.get(same)
+        row["fwd_bwd_vs_same_precision_paired"] = (
+            paired_ratio(row["fwd_bwd_ms_all"], reference["fwd_bwd_ms_all"]) if reference and row.get("fwd_bwd_ms_all") else None
+        )
         row["saved_vs_inductor_fp32"] = ratio(row, _BASELINE, "saved_bytes")
         row["compile_vs_same_precision"] = ratio(row, same, "compile_s")
         row["model_compile_vs_same_precision"] = ratio(row, same, "model_compile_s")
@@ -285,6 +299,8 @@ def command_line(args: argparse.Namespace, prog: str) -> str:
 def run_from_args(args: argparse.Namespace, prog: str = "hot-compile bench") -> int:
     if args.from_json:
         result = merge([json.loads(pathlib.Path(p).read_text()) for p in args.from_json])
+        for case in result["cases"]:  # ratios that runs before them did not record
+            _add_ratios(case["rows"])
         command = None
     else:
         command = command_line(args, prog)

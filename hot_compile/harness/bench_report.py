@@ -61,7 +61,9 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
         "bf16 variants run the forward under `torch.autocast(\"cpu\", torch.bfloat16)`.",
         "",
         f"Medians of {spec['repeats']} interleaved steps after {spec['warmup']} warm-up steps; ratios are against "
-        "inductor fp32 (\"vs fp32\") and against Inductor at the same precision (\"vs same\"). Saved: bytes held for "
+        "inductor fp32 (\"vs fp32\") and against Inductor at the same precision (\"vs same\"): of the medians, and "
+        "(\"paired\") the median over rounds of the two steps' ratio within a round, which a drift of the machine "
+        "from one round to the next moves less. Saved: bytes held for "
         "backward (parameters excluded). RSS growth: peak RSS during a step minus RSS before it. Compile: first "
         f"step minus a median step ({'fresh' if spec['fresh_cache'] else 'warm'} Inductor caches); HOT kernels: the "
         "part of it spent building the kernels of HOT's ops, once per process and configuration, shared by every "
@@ -69,14 +71,16 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
         "Grad err: relative error of all parameter gradients vs float64.",
     ]
     header = (
-        "| variant | fwd+bwd ms | bwd ms | bwd vs fp32 | bwd vs same | saved MiB | saved vs fp32 | "
+        "| variant | fwd+bwd ms | fwd+bwd vs same | paired | bwd ms | bwd vs fp32 | bwd vs same | saved MiB | saved vs fp32 | "
         "peak RSS MiB | RSS growth MiB | compile s | HOT kernels s | compile vs same | w/o kernels vs same | grad err |"
     )
     for case in result["cases"]:
-        lines += ["", f"**{case['model']}** — {case['description']}", "", header, "|" + "---|" * 14]
+        lines += ["", f"**{case['model']}** — {case['description']}", "", header, "|" + "---|" * 16]
         for r in case["rows"]:
             lines.append(
-                f"| {r['variant']} | {_fmt(r['fwd_bwd_ms'])} | {_fmt(r['bwd_ms'])} | {_fmt(r['bwd_vs_inductor_fp32'], '.2f')} "
+                f"| {r['variant']} | {_fmt(r['fwd_bwd_ms'])} | {_fmt(r.get('fwd_bwd_vs_same_precision'), '.2f')} "
+                f"| {_fmt(r.get('fwd_bwd_vs_same_precision_paired'), '.2f')} "
+                f"| {_fmt(r['bwd_ms'])} | {_fmt(r['bwd_vs_inductor_fp32'], '.2f')} "
                 f"| {_fmt(r['bwd_vs_same_precision'], '.2f')} | {_mib(r['saved_bytes'])} "
                 f"| {_fmt(r['saved_vs_inductor_fp32'], '.3f')} | {_mib(r['peak_rss_bytes'])} "
                 f"| {_mib(r['step_rss_growth_bytes'])} | {_fmt(r['compile_s'])} | {_fmt(r.get('kernel_build_s'))} "
