@@ -193,5 +193,11 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """The codes :func:`pack_nibbles` packed, as uint8 of twice the last dimension."""
-    return torch.cat([packed & 15, packed >> 4], dim=-1)
+    """The codes :func:`pack_nibbles` packed, as uint8 of twice the last dimension.
+
+    Each byte shifted by 0 and by 4 along a new axis, then that axis joined to the last: a broadcast
+    and a view, which Inductor fuses into the decode's reader. A ``cat`` of the two halves ran as
+    ATen's, writing the codes out first (19 MB at a [6272, 3072] GELU input): decoding and multiplying
+    a gradient there took 1.3× as long."""
+    shifts = (torch.arange(2, dtype=torch.uint8, device=packed.device) * 4).view(2, 1)
+    return ((packed.unsqueeze(-2) >> shifts) & 15).flatten(-2)
