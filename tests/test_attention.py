@@ -1,12 +1,12 @@
 """The attention backward under bf16 autocast: in float32 where the device profile says the bf16 kernel
-is the slower one (:mod:`hot_compile.passes.attention_precision`), with a row either way."""
+is the slower one (:mod:`hot_compile.passes.attention_precision`), with a row either way; and its
+mask, saved for it, kept exact."""
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-
-import torch.fx as fx
 
 import hot_compile
 from hot_compile import HotConfig

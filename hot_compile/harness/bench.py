@@ -299,7 +299,7 @@ def command_line(args: argparse.Namespace, prog: str) -> str:
 def run_from_args(args: argparse.Namespace, prog: str = "hot-compile bench") -> int:
     if args.from_json:
         result = merge([json.loads(pathlib.Path(p).read_text()) for p in args.from_json])
-        for case in result["cases"]:  # ratios that runs before them did not record
+        for case in result["cases"]:  # a stored run may predate some ratio: all are derived again
             _add_ratios(case["rows"])
         command = None
     else:

@@ -198,6 +198,6 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     Each byte shifted by 0 and by 4 along a new axis, then that axis joined to the last: a broadcast
     and a view, which Inductor fuses into the decode's reader. A ``cat`` of the two halves ran as
     ATen's, writing the codes out first (19 MB at a [6272, 3072] GELU input): decoding and multiplying
-    a gradient there took 1.3× as long."""
+    a gradient there took 1.2–1.3× as long."""
     shifts = (torch.arange(2, dtype=torch.uint8, device=packed.device) * 4).view(2, 1)
     return ((packed.unsqueeze(-2) >> shifts) & 15).flatten(-2)
