@@ -51,71 +51,100 @@ void rows_encode(const T* x, const int64_t* size, const int64_t* stride, const i
 // them (aten_impl.DERIVATIVES): GIVEN codes x as it is.
 enum : int64_t { GIVEN = 0, GELU = 1, GELU_TANH = 2 };
 
-// e^x lane-wise: x = n·ln 2 + r (|r| ≤ ln 2 / 2, ln 2 in two parts), e^r by its degree-6 Taylor
-// polynomial, 2^n by the exponent bits; within 2⁻²² of e^x. Below −87 (e^x < 1.7·10⁻³⁸, under the
-// smallest normal float times 1.4) it is 0, so that a term x·e^x vanishes for every finite x; above 88
-// it stays e^88. A NaN stays NaN.
-inline Float16x exp16(Float16x x) {
-  const Int16x underflow = x < -87.0f;
-  const Float16x y = x > 88.0f ? 88.0f : (underflow ? -87.0f : x);
-  const Int16x n = __builtin_convertvector(y * 1.44269504f + (y < 0.0f ? -0.5f : 0.5f), Int16x);  // nearest
-  const Float16x nf = __builtin_convertvector(n, Float16x);
-  const Float16x r = (y - nf * 0.693359375f) + nf * 2.12194440e-4f;  // Cody and Waite's split of ln 2
-  Float16x p = Float16x{} + 1.0f / 720;
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  // Unsigned: a NaN's n is INT_MIN, whose signed shift would be undefined; its p is NaN anyway.
-  const Float16x e = p * (Float16x)(((UInt16x)(n + 127)) << 23);
-  return underflow ? 0.0f : e;
+// The derivatives of GELU and of its tanh form in float64, as aten_impl.DERIVATIVES writes them.
+double gelu_derivative(double x) {
+  return 0.5 * std::erfc(-x / std::sqrt(2.0)) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+}
+double gelu_tanh_derivative(double x) {
+  const double k = std::sqrt(2.0 / M_PI), t = std::tanh(k * (x + 0.044715 * x * x * x));
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x);
 }
 
-// Lane-wise derivatives, in float32, as aten_impl.DERIVATIVES writes them; each within 3·10⁻⁷ of its
-// exact value (tests/tolerances.py: DERIVATIVE_EVALUATION), saturating to 0 and 1 for any finite x.
-// GELU: Φ(x) + x·φ(x). Φ by Abramowitz and Stegun's 7.1.26 (|error| ≤ 1.5·10⁻⁷ in erf), whose
-// e^(−x²/2) φ shares.
-inline Float16x gelu_derivative16(Float16x x) {
-  const Float16x z = magnitude(x) * 0.707106781f, e = exp16(-0.5f * x * x);
-  const Float16x t = 1.0f / (1.0f + 0.3275911f * z);
-  Float16x p = Float16x{} + 1.061405429f;
-  p = p * t - 1.453152027f;
-  p = p * t + 1.421413741f;
-  p = p * t - 0.284496736f;
-  p = p * t + 0.254829592f;
-  const Float16x tail = 0.5f * p * t * e;  // Φ(−|x|)
-  return (x < 0.0f ? tail : 1.0f - tail) + x * e * 0.398942280f;
+// Both derivatives are d(x) = f(|x|) for x ≥ 0 and 1 − f(|x|) below, and f is 1 past 6 (within
+// 4·10⁻⁸). On [0, 6) f is a polynomial of degree 6 on each sixteenth, in s ∈ [−1, 1] across it,
+// interpolating f in float64 at the Chebyshev nodes when the library first needs it (an error far
+// under float32's roundings). A lane picks its sixteenth's coefficients with a permute: a few
+// multiply-adds per value instead of an exponential and a rational function.
+constexpr int PIECES = 16, DEGREE = 6;
+constexpr float SATURATION = 6.0f;
+
+struct Pieces {
+  Float16x coefficient[DEGREE + 1];  // coefficient[k][i]: of s^k on sixteenth i
+
+  explicit Pieces(double (*f)(double)) {
+    constexpr int N = DEGREE + 1;
+    for (int i = 0; i < PIECES; ++i) {
+      double a[N][N + 1];  // the Vandermonde system at the nodes, solved by Gauss-Jordan elimination
+      for (int j = 0; j < N; ++j) {
+        const double s = std::cos(M_PI * (2 * j + 1) / (2 * N));
+        for (int k = 0; k < N; ++k) a[j][k] = std::pow(s, k);
+        a[j][N] = f((i + 0.5 * (1.0 + s)) * SATURATION / PIECES);
+      }
+      for (int c = 0; c < N; ++c) {
+        int pivot = c;
+        for (int r = c + 1; r < N; ++r) pivot = std::fabs(a[r][c]) > std::fabs(a[pivot][c]) ? r : pivot;
+        std::swap(a[c], a[pivot]);
+        for (int r = 0; r < N; ++r) {
+          const double m = r == c ? 0.0 : a[r][c] / a[c][c];
+          for (int k = c; k <= N; ++k) a[r][k] -= m * a[c][k];
+        }
+      }
+      for (int k = 0; k < N; ++k) coefficient[k][i] = float(a[k][N] / a[k][k]);
+    }
+  }
+};
+
+// Each lane's entry of a 16-entry table, a permute. Without AVX-512's 16-lane permute, GCC would move
+// the lanes one at a time: two 8-lane permutes per half of the lanes instead (AVX2's vpermps).
+typedef float Float8x __attribute__((vector_size(32)));
+typedef int32_t Index8x __attribute__((vector_size(32)));
+inline Float16x lookup16(Float16x table, Int16x i) {
+#if defined(__AVX512F__)
+  return __builtin_shuffle(table, i);
+#else
+  Float8x halves[2], out[2];
+  Index8x index[2];
+  std::memcpy(halves, &table, sizeof table);
+  std::memcpy(index, &i, sizeof i);
+  for (int h = 0; h < 2; ++h) out[h] = __builtin_shuffle(halves[0], halves[1], index[h]);
+  Float16x result;
+  std::memcpy(&result, out, sizeof result);
+  return result;
+#endif
 }
-// GELU with tanh: ½(1 + t) + ½x(1 − t²)·√(2/π)(1 + 3·0.044715x²), t = tanh(u), u = √(2/π)(x + 0.044715x³).
-// From e = e^(−2|u|): |t| = (1 − e)/(1 + e) and 1 − t² = 4e/(1 + e)², which keep their digits where
-// |t| nears 1 (1 − t·t would cancel them).
-inline Float16x gelu_tanh_derivative16(Float16x x) {
-  const Float16x x2 = x * x, u = 0.797884561f * x * (1.0f + 0.044715f * x2);
-  const Float16x e = exp16(-2.0f * magnitude(u)), s = 1.0f + e;
-  const Float16x size = (1.0f - e) / s, t = u < 0.0f ? -size : size;
-  const Float16x slope = 0.5f * x * (4.0f * e / (s * s)) * 0.797884561f * (1.0f + 0.134145f * x2);
-  return 0.5f * (1.0f + t) + (e > 0.0f ? slope : 0.0f);  // where x² overflows, 0 · ∞ would be NaN
+
+inline Float16x symmetric_derivative16(const Pieces& pieces, Float16x x) {
+  const Float16x u = magnitude(x), position = u * (PIECES / SATURATION);
+  // Past the table (u ≥ 6, ∞, NaN) the lane's sixteenth is any: its value is replaced below.
+  Int16x i = __builtin_convertvector(position, Int16x);
+  i = i < PIECES - 1 ? i : PIECES - 1;
+  i = i > 0 ? i : 0;
+  const Float16x s = 2.0f * (position - __builtin_convertvector(i, Float16x)) - 1.0f;
+  Float16x f = lookup16(pieces.coefficient[DEGREE], i);
+  for (int k = DEGREE - 1; k >= 0; --k) f = f * s + lookup16(pieces.coefficient[k], i);
+  f = u < SATURATION ? f : 1.0f;
+  const Float16x d = x < 0.0f ? 1.0f - f : f;
+  return x == x ? d : x;  // a NaN stays NaN
 }
+
+const Pieces& pieces_of(int64_t function) {
+  static const Pieces gelu(gelu_derivative), gelu_tanh(gelu_tanh_derivative);
+  return function == GELU ? gelu : gelu_tanh;
+}
+
 // The derivative `function` of a row of `cols` values, into `out`.
 template <typename T>
 void derivative_row(int64_t function, const T* v, int64_t cols, float* out) {
-  auto each = [&](auto derivative) {
-    const int64_t whole = cols / 16 * 16;
-    for (int64_t c = 0; c < whole; c += 16) {
-      const Float16x f = derivative(load16(v + c));
-      std::memcpy(out + c, &f, sizeof f);
-    }
-    if (whole < cols) {
-      const Float16x f = derivative(load16(v + whole, cols - whole));
-      std::memcpy(out + whole, &f, (cols - whole) * sizeof(float));
-    }
-  };
-  switch (function) {
-    case GELU: return each(gelu_derivative16);
-    case GELU_TANH: return each(gelu_tanh_derivative16);
-    default: std::abort();  // cpu_kernels.py checks the name before it numbers it
+  if (function != GELU && function != GELU_TANH) std::abort();  // cpu_kernels.py checks the name before it numbers it
+  const Pieces& pieces = pieces_of(function);
+  const int64_t whole = cols / 16 * 16;
+  for (int64_t c = 0; c < whole; c += 16) {
+    const Float16x f = symmetric_derivative16(pieces, load16(v + c));
+    std::memcpy(out + c, &f, sizeof f);
+  }
+  if (whole < cols) {
+    const Float16x f = symmetric_derivative16(pieces, load16(v + whole, cols - whole));
+    std::memcpy(out + whole, &f, (cols - whole) * sizeof(float));
   }
 }
 
