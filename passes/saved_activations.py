@@ -75,13 +75,12 @@ def _is_log_sum_exp(node: fx.Node) -> bool:
     return node.target is operator.getitem and node.args[0].target in ATTENTION_FORWARDS and node.args[1] == 1
 
 
-def _is_attention_mask(placeholder: fx.Node) -> bool:
-    """An attention backward of the graph reads ``placeholder`` as its mask or bias, directly or through
-    casts and views (the float32 backward of :mod:`.attention_precision` reads an upcast mask)."""
-    graph = placeholder.graph
+def attention_masks(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes whose values ``graph``'s attention backwards read as their mask or bias, directly or
+    through casts and views (the float32 backward of :mod:`.attention_precision` reads an upcast mask)."""
     backwards = (arguments(n) for t in ATTENTION_BACKWARDS for n in graph.find_nodes(op="call_function", target=t))
     masks = (a.get("attn_mask", a.get("attn_bias")) for a in backwards)
-    return any(isinstance(mask, fx.Node) and storage_source(mask) is placeholder for mask in masks)
+    return {storage_source(mask) for mask in masks if isinstance(mask, fx.Node)}
 
 
 def memory_order(val: torch.Tensor) -> list[int] | None:
@@ -102,8 +101,11 @@ def _reads_any_layout(node: fx.Node) -> bool:
     return node.target in ATTENTION_BACKWARDS or torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
-def why_kept(node: fx.Node, placeholder: fx.Node, inner_outputs: set[fx.Node], weight_like: WeightLike) -> str | None:
-    """Why the saved ``node`` stays as it is; None where it is compressed. Cheap checks first."""
+def why_kept(
+    node: fx.Node, placeholder: fx.Node, inner_outputs: set[fx.Node], weight_like: WeightLike, masks: set[fx.Node]
+) -> str | None:
+    """Why the saved ``node`` stays as it is; None where it is compressed. Cheap checks first.
+    ``masks``: the backward's :func:`attention_masks`."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or not val.is_floating_point():
         return f"not a float tensor ({getattr(val, 'dtype', type(val).__name__)})"
@@ -119,7 +121,7 @@ def why_kept(node: fx.Node, placeholder: fx.Node, inner_outputs: set[fx.Node], w
         return "a broadcast view (a stride of 0)"
     if _is_log_sum_exp(node):
         return "an attention's log-sum-exp: half a level of error would scale a row of probabilities"
-    if _is_attention_mask(placeholder):
+    if placeholder in masks:
         return "an attention mask: an additive mask may hold -inf"
     if weight_like(node):
         return "computed from parameters alone (a weight's cast): the exact products that read it stay exact"
@@ -140,12 +142,13 @@ def find_saved_values(
     inner = {n for n in outputs[:num_fwd_outputs] if isinstance(n, fx.Node)}
     placeholders = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
     position = {n: i for i, n in enumerate(bw.graph.nodes)}
+    masks = attention_masks(bw.graph)
     saved = []
     for node in outputs[num_fwd_outputs:]:
         if not isinstance(node, fx.Node) or node.op == "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
             continue  # inputs and parameters outlive the step anyway; symbolic sizes travel separately
         placeholder = placeholders[node.name]
-        reason = why_kept(node, placeholder, inner, weight_like)
+        reason = why_kept(node, placeholder, inner, weight_like, masks)
         factor = pointwise_factor(placeholder, position) if reason is None else None
         saved.append(SavedValue(node, placeholder, reason, factor))
     return saved

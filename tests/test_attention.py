@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import hot_compile
 from hot_compile import HotConfig
 from hot_compile.passes.attention_precision import FLASH_CPU_BACKWARD
-from hot_compile.passes.saved_activations import why_kept
+from hot_compile.passes.saved_activations import attention_masks, why_kept
 from tests import tolerances as tol
 from tests.harness import aot_compile
 from tests.models import gradient_errors
@@ -100,5 +100,5 @@ def test_a_saved_mask_read_through_a_cast_stays_exact():
     mask.meta["val"] = torch.zeros(4, 1, 40, 40, dtype=torch.bfloat16)
     upcast = graph.call_function(torch.ops.prims.convert_element_type.default, (mask, torch.float32))
     graph.call_function(FLASH_CPU_BACKWARD, (grad, q, k, v, out, lse, 0.0, False), {"attn_mask": upcast})
-    reason = why_kept(mask, mask, inner_outputs=set(), weight_like=lambda node: False)
+    reason = why_kept(mask, mask, inner_outputs=set(), weight_like=lambda node: False, masks=attention_masks(graph))
     assert reason is not None and "attention mask" in reason
