@@ -21,6 +21,7 @@ from .config import HotConfig
 from .observability import inspection
 from .observability.report import publish
 from .passes import run_hot_pass, run_saved_pass
+from .passes.forward_order import sink_encoders
 from .runtime.devices import load_calibrated, resolve_profile
 
 __all__ = ["GRAPH_SHAPING_SOURCES", "HotJointPass", "HotPartitioner", "HotPassWarning", "joint_pass"]
@@ -101,7 +102,9 @@ class HotJointPass(CustomGraphPass):
 
 class HotPartitioner(CustomPartitionerFn):
     """Inductor's partitioner (or the one a user set as ``custom_partitioner_fn``), then the
-    compression of what its forward saves for the backward (:func:`hot_compile.passes.run_saved_pass`).
+    compression of what its forward saves for the backward (:func:`hot_compile.passes.run_saved_pass`),
+    then the forward's encoders moved next to the products that read their inputs
+    (:func:`hot_compile.passes.forward_order.sink_encoders`).
 
     Its rows join the report of the graph ``joint_pass`` rewrote. Where that pass failed, or this one
     does, the partition is returned as the partitioner made it (and a failure warns once).
@@ -121,15 +124,22 @@ class HotPartitioner(CustomPartitionerFn):
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
         fw, bw = self._partition(gm, joint_inputs, **kwargs)
         report, config = self.joint_pass.report, self.joint_pass.config
-        if report is None or not config.any_module("compress_saved"):
+        if report is None:
             return fw, bw
+        if config.any_module("compress_saved"):
+            try:
+                rows = run_saved_pass(fw, bw, kwargs["num_fwd_outputs"], config, self.joint_pass.parameters, report.products())
+            except Exception as exc:
+                what = f"compressing the saved activations of graph {report.graph} failed; they are saved as the partitioner chose"
+                _fail_softly(config, what, exc)
+                fw, bw = self._partition(gm, joint_inputs, **kwargs)
+            else:
+                report.rows.extend(rows)
         try:
-            rows = run_saved_pass(fw, bw, kwargs["num_fwd_outputs"], config, self.joint_pass.parameters, report.products())
+            counters["hot"]["encoders_moved"] += sink_encoders(fw.graph)
         except Exception as exc:
-            what = f"compressing the saved activations of graph {report.graph} failed; they are saved as the partitioner chose"
-            _fail_softly(config, what, exc)
-            return self._partition(gm, joint_inputs, **kwargs)
-        report.rows.extend(rows)
+            _fail_softly(config, f"ordering the forward of graph {report.graph} failed; its encoders stay where they were", exc)
+        fw.recompile()
         return fw, bw
 
     def uuid(self) -> bytes | None:

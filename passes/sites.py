@@ -115,6 +115,16 @@ def view_root(node: fx.Node) -> fx.Node:
     return _through(node, _VIEW_OPS)
 
 
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is a reshape or a permute of its first argument, which Inductor computes nothing for."""
+    return node.op == "call_function" and node.target in _TRANSPOSE_OPS + _VIEW_OPS
+
+
+def viewed_tensor(node: fx.Node) -> fx.Node:
+    """The tensor ``node`` is a reshape or a permute of (``node`` itself if it is neither)."""
+    return _through(node, _TRANSPOSE_OPS + _VIEW_OPS)
+
+
 def same_value(a: fx.Node, b: fx.Node) -> bool:
     """Two nodes hold the same values: identical, or row-major reshapes of one tensor to one shape."""
     if a is b:

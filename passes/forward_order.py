@@ -1,0 +1,108 @@
+"""The forward's encoders moved down next to the product that reads their input, so that they do not
+split Inductor's kernels.
+
+Inductor's C++ code generator puts a run of consecutive nodes it generates code for into one kernel,
+compiled on its own, and an extern call (a product, an attention, any of HOT's ops) ends the run. An
+extern's lowering makes buffers of its inputs there, so under autocast the casts of a linear's
+weight and bias are computed just before its product. HOT inserts each encoder of a value the backward
+reads (``compress_activation``, ``encode_rows``, ``encode_derivative`` and the ``draw_seed`` that feeds
+it) right after that value: between a GELU and the next product's casts, which the encoder leaves in
+a kernel of their own. In the MLP block that is two kernels more than Inductor alone compiles.
+
+:func:`sink_encoders` moves each run of encoders down to the first node that is an extern call or
+reads one of their inputs: right after that node where it is an extern reading an input too (the
+product of the same activation), else right before it. So an input is kept alive at most through
+one product that reads it anyway, and never past another node that reads it.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .sites import is_view, viewed_tensor
+
+aten = torch.ops.aten
+HOT_NAMESPACE = "hot_compile"
+# aten ops Inductor runs as extern calls; the others it generates code for, or falls back on singly.
+_EXTERN_ATEN = frozenset(
+    {
+        aten.mm,
+        aten.addmm,
+        aten.bmm,
+        aten.baddbmm,
+        aten.convolution,
+        aten._int_mm,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+    }
+)
+
+
+def _is_hot_op(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == HOT_NAMESPACE
+
+
+def is_extern(node: fx.Node) -> bool:
+    """Whether Inductor runs ``node`` as a call of its own, ending the kernel being generated."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return node.target.namespace not in ("aten", "prims") or node.target.overloadpacket in _EXTERN_ATEN
+
+
+def encoders(graph: fx.Graph) -> set[fx.Node]:
+    """HOT's ops (and the ``getitem``\\ s that unpack them) whose values reach only the graph's output,
+    which saves them for the backward, or other such nodes: the encoders of saved values, not products."""
+    found: set[fx.Node] = set()
+    # Users come after a node, so each node is seen after all of its users.
+    for node in reversed(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if not (_is_hot_op(node) or (node.target is operator.getitem and _is_hot_op(node.args[0]))):
+            continue
+        if node.users and all(user.op == "output" or user in found for user in node.users):
+            found.add(node)
+    return found
+
+
+def _moves(graph: fx.Graph) -> list[tuple[list[fx.Node], fx.Node, bool]]:
+    """Each run of encoders to move, with the node it goes next to and whether it goes after it."""
+    moving = encoders(graph)
+    moves = []
+    pending: list[fx.Node] = []
+    inputs: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node in moving:
+            pending.append(node)
+            inputs.update(viewed_tensor(a) for a in node.all_input_nodes if a not in moving)
+            continue
+        if not pending or is_view(node):
+            continue
+        reads = not inputs.isdisjoint(viewed_tensor(a) for a in node.all_input_nodes)
+        if node.op == "output" or is_extern(node) or reads:
+            # After an extern that reads the same input, whose lowering realizes its other inputs (a
+            # weight's cast) in the kernel before it; before anything else that reads it or ends a kernel.
+            after = is_extern(node) and reads
+            if after or node.prev is not pending[-1]:
+                moves.append((pending, node, after))
+            pending, inputs = [], set()
+    return moves
+
+
+def sink_encoders(graph: fx.Graph) -> int:
+    """Move each of the forward ``graph``'s encoders down (see the module's docstring); returns how many
+    nodes moved. The moves are all found before the first is made."""
+    moves = _moves(graph)
+    for run, node, after in moves:
+        anchor = node
+        for encoder in run:
+            if after:
+                anchor.append(encoder)
+                anchor = encoder
+            else:
+                node.prepend(encoder)
+    return sum(len(run) for run, _, _ in moves)
