@@ -9,10 +9,10 @@ reads (``compress_activation``, ``encode_rows``, ``encode_derivative`` and the `
 it) right after that value: between a GELU and the next product's casts, which the encoder leaves in
 a kernel of their own. In the MLP block that is two kernels more than Inductor alone compiles.
 
-:func:`sink_encoders` moves each run of encoders down to the first node that is an extern call or
-reads one of their inputs: right after that node where it is an extern reading an input too (the
-product of the same activation), else right before it. So an input is kept alive at most through
-one product that reads it anyway, and never past another node that reads it.
+:func:`sink_encoders` moves each run of encoders down while their inputs are live anyway: past nodes
+after which something still reads each input, and past the first extern call if each input is read
+there or later (the product of the same activation), else to just before that node. So no input
+lives longer than it did, but for the encoder's own call after a product that reads it.
 """
 
 from __future__ import annotations
@@ -69,24 +69,38 @@ def encoders(graph: fx.Graph) -> set[fx.Node]:
     return found
 
 
+def _last_reads(graph: fx.Graph, moving: set[fx.Node]) -> dict[fx.Node, int]:
+    """The position of the last node other than an encoder or a view that reads each tensor (through
+    its views); the output node counts, as it keeps what the forward saves."""
+    last: dict[fx.Node, int] = {}
+    for i, node in enumerate(graph.nodes):
+        if node in moving or is_view(node):
+            continue
+        for a in node.all_input_nodes:
+            last[viewed_tensor(a)] = i
+    return last
+
+
 def _moves(graph: fx.Graph) -> list[tuple[list[fx.Node], fx.Node, bool]]:
     """Each run of encoders to move, with the node it goes next to and whether it goes after it."""
     moving = encoders(graph)
+    last_read = _last_reads(graph, moving)
     moves = []
     pending: list[fx.Node] = []
     inputs: set[fx.Node] = set()
-    for node in graph.nodes:
+    for i, node in enumerate(graph.nodes):
         if node in moving:
             pending.append(node)
             inputs.update(viewed_tensor(a) for a in node.all_input_nodes if a not in moving)
             continue
         if not pending or is_view(node):
             continue
-        reads = not inputs.isdisjoint(viewed_tensor(a) for a in node.all_input_nodes)
-        if node.op == "output" or is_extern(node) or reads:
-            # After an extern that reads the same input, whose lowering realizes its other inputs (a
-            # weight's cast) in the kernel before it; before anything else that reads it or ends a kernel.
-            after = is_extern(node) and reads
+        live_past = all(last_read.get(x, -1) > i for x in inputs)
+        if node.op == "output" or is_extern(node) or not live_past:
+            # After an extern the inputs outlive anyway (the product of the same activation): its
+            # lowering computes its other inputs (a weight's cast) in the kernel before it. Before any
+            # other extern, and before the last reader of an input, so that no input lives longer.
+            after = is_extern(node) and all(last_read.get(x, -1) >= i for x in inputs)
             if after or node.prev is not pending[-1]:
                 moves.append((pending, node, after))
             pending, inputs = [], set()

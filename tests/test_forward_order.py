@@ -48,14 +48,21 @@ def test_an_encoder_moves_past_the_product_that_reads_its_input():
     assert _order(g) == ["relu", "convert_element_type", "mm", "encode_rows"]
 
 
-def test_an_encoder_stops_before_a_product_that_does_not_read_its_input():
-    g = _graph(reader_between=False, product_reads=False)
-    assert sink_encoders(g) == 3
-    assert _order(g) == ["relu", "convert_element_type", "encode_rows", "mm"]
-
-
-def test_an_encoder_never_passes_another_reader_of_its_input():
+def test_an_encoder_passes_a_reader_that_is_not_the_last():
     g = _graph(reader_between=True, product_reads=True)
+    assert sink_encoders(g) == 3
+    g.lint()
+    assert _order(g) == ["relu", "neg", "convert_element_type", "mm", "encode_rows"]
+
+
+def test_the_encoder_of_a_value_nothing_else_reads_stays_after_it():
+    g = _graph(reader_between=False, product_reads=False)
+    assert sink_encoders(g) == 0
+    assert _order(g) == ["relu", "encode_rows", "convert_element_type", "mm"]
+
+
+def test_an_encoder_never_passes_the_last_reader_of_its_input():
+    g = _graph(reader_between=True, product_reads=False)
     assert sink_encoders(g) == 0
     assert _order(g) == ["relu", "encode_rows", "neg", "convert_element_type", "mm"]
 
