@@ -47,6 +47,18 @@ def test_each_compile_gets_a_new_cache_shared_only_with_its_backends_primer():
     assert "| 2 | after primer | 10.0 | 12.0 | 1.0 | 1.20 | 3/2 | 3/2 |" in table
 
 
+def test_bf16_compiles_both_backends_under_autocast():
+    variants = []
+
+    def run_child(variant, model, batch, cache_dir):
+        variants.append(variant)
+        return {"compile_s": 1.0, "kernel_s": 0.0, "step_s": 0.5, "cache_hits": 0, "cache_misses": 2}
+
+    result = compile_bench.run(compile_bench.CompileBenchSpec(model="mlp", repeats=1, precision="bf16"), run_child, log=lambda s: None)
+    assert set(variants) == {"inductor-bf16", "hot-bf16"} and len(variants) == 6
+    assert "Model: mlp (bench.py's sizes), bf16;" in compile_bench.markdown(result)
+
+
 def test_a_failing_child_names_the_compile():
     spec = compile_bench.CompileBenchSpec()
 
@@ -62,6 +74,8 @@ def test_spec_rejects_an_unknown_model_and_empty_runs():
         compile_bench.CompileBenchSpec(model="resnet")
     with pytest.raises(ValueError, match="repeats and steps"):
         compile_bench.CompileBenchSpec(repeats=0)
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        compile_bench.CompileBenchSpec(precision="fp16")
 
 
 def test_measure_reports_compile_time_and_no_kernels_for_inductor(tmp_path, monkeypatch):

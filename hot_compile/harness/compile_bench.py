@@ -47,6 +47,7 @@ SECTION_TITLE = "Compile time across processes"
 PRIMER = "mlp"
 PRIMER_BATCH = 16
 MODELS = ("vit", "minilm", "mlp")
+PRECISIONS = ("fp32", "bf16")  # bf16: the forward under torch.autocast("cpu", torch.bfloat16), as bench.py's variants
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +57,13 @@ class CompileBenchSpec:
     steps: int = 3
     threads: int | None = None
     hot_policy: str | None = None  # None: the default, no option
+    precision: str = "fp32"
 
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r}: accepted are {MODELS}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: accepted are {PRECISIONS}")
         if self.hot_policy is not None and self.hot_policy not in POLICIES:
             raise ValueError(f"hot_policy={self.hot_policy!r}: accepted are {POLICIES}")
         if self.repeats < 1 or self.steps < 1:
@@ -136,8 +140,8 @@ def run(spec: CompileBenchSpec, run_child: ChildRunner | None = None, log: Calla
     for i in range(spec.repeats):
         row: dict[str, Any] = {}
         for scenario in SCENARIOS:
-            inductor = _in_new_cache(run_child, "inductor-fp32", spec.model, scenario == "after_primer")
-            hot = _in_new_cache(run_child, "hot-fp32", spec.model, scenario == "after_primer")
+            inductor = _in_new_cache(run_child, f"inductor-{spec.precision}", spec.model, scenario == "after_primer")
+            hot = _in_new_cache(run_child, f"hot-{spec.precision}", spec.model, scenario == "after_primer")
             row[scenario] = {"inductor": inductor, "hot": hot, "hot_vs_inductor": hot["compile_s"] / inductor["compile_s"]}
         log(
             f"repeat {i + 1}: "
@@ -166,7 +170,8 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
     lines = [
         bench_report.machine_line(result["machine"]) + f" Run {result['date']}" + (f": `{command}`" if command else "") + ".",
         "",
-        f"Model: {result['spec']['model']} (bench.py's sizes); hot: `options={bench_cases.hot_options(result['spec']['hot_policy'])}`. "
+        f"Model: {result['spec']['model']} (bench.py's sizes), {result['spec'].get('precision', 'fp32')}; "
+        f"hot: `options={bench_cases.hot_options(result['spec']['hot_policy'])}`. "
         f"Primer: {result['primer']['model']}, batch {result['primer']['batch']}, under the same backend "
         "in the same cache. Compile: first step minus the median step of the same process; HOT kernels: "
         "the part of it spent building (first use) or loading (after a primer) the kernels of HOT's ops; "
@@ -198,6 +203,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=defaults.steps, help="steps after the first, for the median step")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the processes")
     parser.add_argument("--hot-policy", choices=POLICIES, default=defaults.hot_policy)
+    parser.add_argument("--precision", choices=PRECISIONS, default=defaults.precision, help="bf16: the forward under autocast")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("compile_time_out"), help="folder for compile_time.json/.md")
     parser.add_argument("--benchmarks-md", type=pathlib.Path, default=None, help=f"also rewrite the '{SECTION_TITLE}' section of this file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -210,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         request = json.loads(args.child)
         print(json.dumps(measure(**request)))
         return 0
-    spec = CompileBenchSpec(model=args.model, repeats=args.repeats, steps=args.steps, threads=args.threads, hot_policy=args.hot_policy)
+    spec = CompileBenchSpec(model=args.model, repeats=args.repeats, steps=args.steps, threads=args.threads,
+                            hot_policy=args.hot_policy, precision=args.precision)  # fmt: skip
     command = shlex.join(["python", "tools/compile_time.py", *(argv if argv is not None else sys.argv[1:])])
     result = run(spec, log=lambda s: print(s, flush=True))
     args.out.mkdir(parents=True, exist_ok=True)
