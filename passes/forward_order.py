@@ -55,8 +55,9 @@ def is_extern(node: fx.Node) -> bool:
 
 
 def encoders(graph: fx.Graph) -> set[fx.Node]:
-    """HOT's ops (and the ``getitem``\\ s that unpack them) whose values reach only the graph's output,
-    which saves them for the backward, or other such nodes: the encoders of saved values, not products."""
+    """HOT's ops (and the ``getitem`` nodes that unpack them) whose values reach only the graph's
+    output, which saves them for the backward, or other such nodes: the encoders of saved values, not
+    products."""
     found: set[fx.Node] = set()
     # Users come after a node, so each node is seen after all of its users.
     for node in reversed(graph.nodes):
