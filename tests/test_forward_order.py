@@ -1,12 +1,14 @@
 """The forward's encoders moved down to the next product (:mod:`hot_compile.passes.forward_order`)."""
 
 import operator
+import warnings
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._inductor.utils import run_and_get_code
 
+import hot_compile
 from hot_compile import HotConfig
 from hot_compile.passes.forward_order import sink_encoders
 from tests.harness import aot_compile
@@ -81,6 +83,23 @@ def test_the_partitioned_forward_has_each_compression_after_its_product():
     assert all(p + 1 == c for p, c in zip(products, compressions))
     gelu = next(i for i, name in enumerate(order) if name.startswith("erf"))
     assert products[0] < order.index("encode_derivative") < gelu < products[1]
+
+
+def test_a_failing_move_warns_once_and_leaves_the_forward_as_it_was(monkeypatch):
+    def fail(graph):
+        raise RuntimeError("no order")
+
+    monkeypatch.setattr(hot_compile.inductor_pass, "sink_encoders", fail)
+    compiled, graphs = aot_compile(_mlp_block(), HotConfig(policy="hot"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", torch.bfloat16):
+            out = compiled(torch.randn(4, 32, 64))
+        out.float().sum().backward()
+    messages = [str(w.message) for w in caught if issubclass(w.category, hot_compile.HotPassWarning)]
+    assert len(messages) == 1 and "its encoders stay where they were (RuntimeError: no order)" in messages[0]
+    order = _order(graphs.forward.graph)
+    assert order.index("compress_activation") < order.index("int8_linear")
 
 
 def _forward_kernels(backend: str, **options) -> tuple[int, str]:
