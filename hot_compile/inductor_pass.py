@@ -136,10 +136,13 @@ class HotPartitioner(CustomPartitionerFn):
             else:
                 report.rows.extend(rows)
         try:
-            counters["hot"]["encoders_moved"] += sink_encoders(fw.graph)
+            moved = sink_encoders(fw.graph)
         except Exception as exc:
             _fail_softly(config, f"ordering the forward of graph {report.graph} failed; its encoders stay where they were", exc)
-        fw.recompile()
+        else:
+            counters["hot"]["encoders_moved"] += moved
+            if moved:
+                fw.recompile()
         return fw, bw
 
     def uuid(self) -> bytes | None:

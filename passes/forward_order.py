@@ -22,24 +22,14 @@ import operator
 import torch
 import torch.fx as fx
 
-from .sites import is_view, viewed_tensor
+from .attention_precision import ATTENTION_FORWARDS
+from .sites import LINEAR_OPS, is_view, viewed_tensor
 
 aten = torch.ops.aten
 HOT_NAMESPACE = "hot_compile"
 # aten ops Inductor runs as extern calls; the others it generates code for, or falls back on singly.
 _EXTERN_ATEN = frozenset(
-    {
-        aten.mm,
-        aten.addmm,
-        aten.bmm,
-        aten.baddbmm,
-        aten.convolution,
-        aten._int_mm,
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_flash_attention,
-        aten._scaled_dot_product_efficient_attention,
-        aten._scaled_dot_product_cudnn_attention,
-    }
+    (*LINEAR_OPS, *ATTENTION_FORWARDS, aten.bmm.default, aten.baddbmm.default, aten.convolution.default, aten._int_mm.default)
 )
 
 
@@ -51,7 +41,7 @@ def is_extern(node: fx.Node) -> bool:
     """Whether Inductor runs ``node`` as a call of its own, ending the kernel being generated."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    return node.target.namespace not in ("aten", "prims") or node.target.overloadpacket in _EXTERN_ATEN
+    return node.target.namespace not in ("aten", "prims") or node.target in _EXTERN_ATEN
 
 
 def encoders(graph: fx.Graph) -> set[fx.Node]:

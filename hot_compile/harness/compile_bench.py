@@ -170,7 +170,7 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
     lines = [
         bench_report.machine_line(result["machine"]) + f" Run {result['date']}" + (f": `{command}`" if command else "") + ".",
         "",
-        f"Model: {result['spec']['model']} (bench.py's sizes), {result['spec'].get('precision', 'fp32')}; "
+        f"Model: {result['spec']['model']} (bench.py's sizes), {result['spec']['precision']}; "
         f"hot: `options={bench_cases.hot_options(result['spec']['hot_policy'])}`. "
         f"Primer: {result['primer']['model']}, batch {result['primer']['batch']}, under the same backend "
         "in the same cache. Compile: first step minus the median step of the same process; HOT kernels: "
