@@ -47,6 +47,11 @@ HQ_HALF_PRECISION = INT8_PER_SLICE_PRODUCT + 2**-8
 # One rounding of a value to bf16 (8 significant bits): the relative error a float32 result cast back to
 # bf16 carries, and by which two computations of one function in bf16 and float32 may differ.
 BF16_ROUNDING = 2**-8
+# The attention backward as products (hot_compile.runtime.attention_ops): each gradient is a float32
+# sum of terms of which one factor, P or dS, was rounded to bf16 once, itself rounded to bf16 once.
+ATTENTION_PRODUCTS = 2 * BF16_ROUNDING
+# A float32 exponential (Cephes' expf polynomial) against float64: a few units in the last place.
+FLOAT32_EXP = 4 * 2**-24
 
 # End-to-end: every parameter gradient of a compiled model (the defaults) vs eager fp64, per-parameter
 # relative error. A parameter's gradient carries the error of its own grad_weight product and of

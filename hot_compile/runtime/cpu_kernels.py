@@ -44,7 +44,7 @@ from .devices import cache_root, cpu_identity
 from .quant import guard_scale, qmax
 
 # One translation unit, in this order.
-_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp", "cpu_amx.cpp"))
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp", "cpu_attention.cpp", "cpu_amx.cpp"))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # aten_impl.encode_derivative's functions, as cpu_encode.cpp numbers them.
 _DERIVATIVES = {name: number for number, name in enumerate((GIVEN, *DERIVATIVES))}
@@ -61,6 +61,7 @@ _SIGNATURES = {
     "hot_rows_encode": (_P, _I, _P, _P, _P, _I, _I, _P, _P),
     "hot_derivative_encode": (_P, _I, _I, _I, _I, _U, _P, _P, _P),
     "hot_derivative_values": (_P, _I, _I, _I, _P),
+    "hot_attention_probabilities": (_P, _P, _I, _I, _P, _P),
     "hot_amx_compiled": (),
     "hot_amx_matmul_dequantize": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
 }
@@ -367,3 +368,13 @@ def encode_derivative(
         lib.hot_derivative_encode(x.data_ptr(), code, _DERIVATIVES[function], rows, cols, offset, packed.data_ptr(), lo.data_ptr(), step.data_ptr())
     return packed, lo, step
 
+
+def attention_probabilities(shifted: torch.Tensor, score_grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``P = exp(shifted)`` and ``P · score_grad`` in ``dtype``, each rounded once from float32:
+    :func:`~hot_compile.runtime.attention_ops.attention_backward`'s one elementwise pass. ``shifted`` and
+    ``score_grad``: float32 of one shape (made contiguous); ``exp`` within 2 ulp of float32's, and
+    ``e⁻⁸⁷`` for arguments below −87."""
+    shifted, score_grad = shifted.contiguous(), score_grad.contiguous()
+    p, ds = torch.empty(shifted.shape, dtype=dtype), torch.empty(shifted.shape, dtype=dtype)
+    _library().hot_attention_probabilities(shifted.data_ptr(), score_grad.data_ptr(), shifted.numel(), _DTYPES[dtype], p.data_ptr(), ds.data_ptr())
+    return p, ds

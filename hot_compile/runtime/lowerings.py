@@ -27,6 +27,7 @@ _READING_OPS = (
     "encode_derivative",
     "conv_hq_grad_input",
     "conv_hla_grad_weight",
+    "attention_backward",
 )
 
 
@@ -49,7 +50,7 @@ def register() -> None:
     """Install the lowerings (once a process) before Inductor compiles a graph holding HOT's ops."""
     from torch._inductor import lowering
 
-    from . import conv_ops, ops  # noqa: F401  (the ops exist once their modules ran)
+    from . import attention_ops, conv_ops, ops  # noqa: F401  (the ops exist once their modules ran)
 
     for name in _READING_OPS:
         packet = getattr(torch.ops.hot_compile, name)
