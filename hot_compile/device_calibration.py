@@ -16,6 +16,7 @@ from .passes.cost_model import SiteCost, forward_cost, grad_input_cost, grad_wei
 from .passes.cost_model import attention_flops as attention_flops_of
 from .passes.numerics import resolve_numerics
 from .runtime import cpu_kernels
+from .runtime.attention_ops import attention_backward
 from .runtime.devices import DTYPES, DeviceProfile, cpu_identity
 from .runtime.hadamard import padded_length
 from .runtime.int8_gemm import int8_gemm_kind, int8_matmul, u8s8_linear, u8s8_operand
@@ -168,8 +169,8 @@ def _attention_seconds(dtype: torch.dtype, repeats: int):
 
 def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
-    bandwidths, the per-call overhead, the fused attention's rate per dtype and which precision runs
-    its backward faster, the
+    bandwidths, the per-call overhead, the fused attention's rate per dtype and which way runs its
+    half-precision backward fastest (bf16 or float32 kernel, or batched products), the
     transform + quantize rate fitted to the compiled HQ op
     (see :func:`_fitted_transform_rate`), the derivative code's rounding rate
     (:func:`_stochastic_code_rate`), then the per-op overhead fitted to training steps of small
@@ -219,6 +220,7 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     fp32_backward = median_seconds(
         lambda: [g.bfloat16() for g in FLASH_CPU_BACKWARD(*(t.float() for t in upcast), lse, 0.0, False)], repeats
     )
+    products_backward = median_seconds(lambda: attention_backward(grad, q, k, v, out, lse, e**-0.5), repeats)
     measured = DeviceProfile(
         name=f"calibrated:{cpu_identity().split('|')[0]}",
         matmul_flops=flops,
@@ -231,6 +233,7 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         op_overhead=0.0,  # fitted last, on the other rates
         narrow_int8_ops=narrow_int8_ops,
         fp32_attention_backward=fp32_backward < bf16_backward,
+        attention_backward_products=products_backward < min(fp32_backward, bf16_backward),
         int8_fused_epilogue=fused_epilogue,
         attention_flops=attention_flops,
     )

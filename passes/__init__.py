@@ -19,7 +19,8 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from ..config import HotConfig
 from ..runtime import ops
 from ..runtime.devices import resolve_profile
-from .attention_precision import AttentionSite, find_attention_backwards, replace_attention_backward, upcast_attention_backward
+from .attention_precision import AttentionSite, find_attention_backwards, products_attention_backward
+from .attention_precision import replace_attention_backward, upcast_attention_backward, why_not_products
 from .conv_sites import ConvSite, find_conv_sites
 from .cost_model import (
     SiteCost,
@@ -263,6 +264,10 @@ def _rewrite(graph: fx.Graph, config: HotConfig, weight_like: WeightLike, backwa
 
 
 def _attention_row(site: AttentionSite, decision: str, reason: str) -> SiteRow:
+    numerics = {
+        "float32": "float32 backward, gradients cast back",
+        "products": "batched products: float32 scores, P and dS rounded to bf16",
+    }
     return SiteRow(
         module=site.module_path,
         path="attn",
@@ -270,30 +275,34 @@ def _attention_row(site: AttentionSite, decision: str, reason: str) -> SiteRow:
         dtype=str(site.dtype).removeprefix("torch."),
         decision=decision,
         reason=reason,
-        numerics="float32 backward, gradients cast back" if decision != "kept" else "-",
+        numerics=numerics.get(decision, "-"),
     )
 
 
 def _plan_attention(graph: fx.Graph, config: HotConfig, backward: set[fx.Node], profiles: dict, created: list[fx.Node]):
-    """Insert a float32 backward beside each half-precision CPU attention backward where the device
-    profile says that is faster; returns a row for each attention, and the (site, stand-ins) pairs to
-    rewire once every other rewrite is built."""
-    rows, upcast = [], []
+    """Insert a faster backward beside each half-precision CPU attention backward where the device
+    profile says there is one (batched products, else float32); returns a row for each attention, and
+    the (site, stand-ins) pairs to rewire once every other rewrite is built."""
+    rows, replaced = [], []
     sites = find_attention_backwards(graph, backward)
     profile = _profile(torch.device("cpu"), config, profiles) if sites else None
     for site in sites:
         skipped = "policy='off'" if config.policy == "off" else None
         if skipped is None and not config.selects(site.module_path):
             skipped = "excluded by include/exclude globs"
-        if skipped is None and not profile.fp32_attention_backward:
+        not_products = why_not_products(site) if profile.attention_backward_products else "not faster on this device"
+        if skipped is None and not_products and not profile.fp32_attention_backward:
             skipped = f"kept: the bf16 kernel is not the slower one on this device (profile {profile.name})"
         if skipped:
             rows.append(_attention_row(site, "kept", skipped))
-            continue
-        upcast.append((site, upcast_attention_backward(graph, site, created)))
-        reason = f"the half-precision kernel is the slower one on this device (profile {profile.name})"
-        rows.append(_attention_row(site, "float32", reason))
-    return rows, upcast
+        elif not_products is None:
+            replaced.append((site, products_attention_backward(graph, site, created)))
+            rows.append(_attention_row(site, "products", f"faster than either fused kernel on this device (profile {profile.name})"))
+        else:
+            replaced.append((site, upcast_attention_backward(graph, site, created)))
+            reason = f"the half-precision kernel is the slower one on this device (profile {profile.name}); products: {not_products}"
+            rows.append(_attention_row(site, "float32", reason))
+    return rows, replaced
 
 
 def run_hot_pass(

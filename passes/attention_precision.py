@@ -1,12 +1,16 @@
-"""Attention backward in float32 where the device's half-precision kernel is the slower one.
+"""The attention backward where the device's half-precision kernel is the slower one.
 
 Under bf16 autocast, ``scaled_dot_product_attention`` on the CPU runs the flash-attention kernels in
 bf16, and the backward (``_scaled_dot_product_flash_attention_for_cpu_backward``) is the slow one: it
 takes 1.3–1.8× as long as the float32 kernel with the casts of its inputs and outputs around it on
 Zen 4, and 1.3× (ViT-S's heads) to 3–4× (MiniLM's) on Sapphire Rapids, AMX's bf16 tiles
-notwithstanding (BENCHMARKS.md). Where the device profile says so
-(:attr:`~hot_compile.runtime.devices.DeviceProfile.fp32_attention_backward`), the backward runs in
-float32 on upcast inputs and its gradients are cast back: the same function, computed more exactly.
+notwithstanding (BENCHMARKS.md). Where the device profile says so, the backward runs instead
+- as batched products, a chunk of heads at a time (:mod:`hot_compile.runtime.attention_ops`), where
+  that is faster still (:attr:`~hot_compile.runtime.devices.DeviceProfile.attention_backward_products`)
+  and the attention has no mask, dropout or causal mask;
+- else in float32 on upcast inputs, its gradients cast back
+  (:attr:`~hot_compile.runtime.devices.DeviceProfile.fp32_attention_backward`): the same function,
+  computed more exactly.
 The forward is left as it is (its bf16 kernel is as fast as float32's).
 """
 
@@ -19,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
+from ..runtime import attention_ops
 from .inline import insert_traced
 from .provenance import provenance
 from .sites import module_path
@@ -27,6 +32,7 @@ aten = torch.ops.aten
 FLASH_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 HALF = (torch.bfloat16, torch.float16)
 REWRITE = "attention_backward_fp32"
+PRODUCTS_REWRITE = "attention_backward_products"
 # The fused kernels of scaled_dot_product_attention: query, key, value are a forward's first three
 # arguments and a backward's second to fourth.
 ATTENTION_FORWARDS = (
@@ -36,6 +42,7 @@ ATTENTION_FORWARDS = (
     aten._scaled_dot_product_cudnn_attention.default,
 )
 ATTENTION_BACKWARDS = (
+    torch.ops.hot_compile.attention_backward.default,  # this pass's, with the same first six arguments
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     aten._scaled_dot_product_flash_attention_backward.default,
     aten._scaled_dot_product_efficient_attention_backward.default,
@@ -101,3 +108,31 @@ def replace_attention_backward(graph: fx.Graph, site: AttentionSite, stand_ins: 
         user.replace_all_uses_with(stand_ins[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(site.node)
+
+
+def why_not_products(site: AttentionSite) -> str | None:
+    """Why ``site``'s backward cannot run as :func:`~hot_compile.runtime.attention_ops.attention_backward`'s
+    products, or None."""
+    args = arguments(site.node)
+    if args["dropout_p"]:
+        return "dropout"
+    if args["is_causal"]:
+        return "a causal mask (the fused kernel skips the masked half)"
+    if args.get("attn_mask") is not None:
+        return "an attention mask"
+    if not isinstance(site.shape[-1], int):
+        return "a symbolic head size"
+    return None
+
+
+def products_attention_backward(graph: fx.Graph, site: AttentionSite, created: list[fx.Node]) -> list[fx.Node]:
+    """Insert ``site``'s backward as batched products; returns the nodes standing in for its three
+    gradients (query, key, value)."""
+    args = arguments(site.node)
+    scale = args["scale"] if args.get("scale") is not None else site.shape[-1] ** -0.5
+
+    def backward(grad_out, query, key, value, out, logsumexp):
+        return list(attention_ops.attention_backward(grad_out, query, key, value, out, logsumexp, float(scale)))
+
+    meta = provenance(PRODUCTS_REWRITE, site.module_path, "attn", site.node, "backward")
+    return insert_traced(graph, backward, list(site.node.args[:6]), before=site.node, meta=meta, created=created)

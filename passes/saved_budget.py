@@ -49,7 +49,7 @@ def attention_seconds(node: fx.Node, profile) -> float:
     q, k, v = (a.meta["val"] for a in node.args[int(backward) : int(backward) + 3])
     b, h, l, e = (optimization_hint(d) for d in q.shape)
     s, ev = optimization_hint(k.shape[-2]), optimization_hint(v.shape[-1])
-    flops = attention_flops(b, h, l, s, e, ev, backward, bool(arguments(node)["is_causal"]))
+    flops = attention_flops(b, h, l, s, e, ev, backward, bool(arguments(node).get("is_causal")))
     return flops / profile.attention_rate(q.dtype) + profile.kernel_overhead
 
 

@@ -49,6 +49,9 @@ class DeviceProfile:
             x86 CPUs without VNNI/AMX, oneDNN's uint8 × int8 GEMM (:func:`~hot_compile.runtime.int8_gemm.u8s8_exact`). None: ``int8_ops``.
         fp32_attention_backward: the CPU's flash-attention backward runs faster in float32, with its
             operands upcast and its gradients cast back, than in bf16 (:mod:`~hot_compile.passes.attention_precision`).
+        attention_backward_products: a half-precision attention backward without masks or dropout runs
+            faster as batched products (:mod:`~hot_compile.runtime.attention_ops`) than either fused
+            kernel (:mod:`~hot_compile.passes.attention_precision`).
         int8_fused_epilogue: the integer product scales its int32 sums into the output as it goes, and
             writes no int32 product (HOT's AMX kernel, :func:`~hot_compile.runtime.cpu_kernels.amx_int8`);
             ``int8_ops`` is then that kernel's rate.
@@ -72,6 +75,7 @@ class DeviceProfile:
     op_overhead: float
     narrow_int8_ops: float | None = None
     fp32_attention_backward: bool = False
+    attention_backward_products: bool = False
     fresh_write_bw: float | None = None
     int8_fused_epilogue: bool = False
     stochastic_code_rate: float | None = None
@@ -174,6 +178,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             kernel_overhead=6e-6,
             op_overhead=1e-4,  # fitted on training steps of small layers (device_calibration.OVERHEAD_LAYERS)
             fp32_attention_backward=True,  # bf16 1.3-1.8x slower at ViT-S's and MiniLM's attention shapes
+            attention_backward_products=True,  # 0.80-0.84x the float32 kernel's time at ViT-S's and MiniLM's
         ),
         DeviceProfile(
             name="cpu-avx2-2core",  # AMD EPYC, AVX2 only: INT4 products on oneDNN's u8s8 GEMM, INT8 on fp32
