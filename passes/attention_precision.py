@@ -21,6 +21,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.operator_schemas import normalize_function
 
 from ..runtime import attention_ops
@@ -110,9 +111,15 @@ def replace_attention_backward(graph: fx.Graph, site: AttentionSite, stand_ins: 
     graph.erase_node(site.node)
 
 
+# B·H·L·S·E of an attention below which its fused kernel stays the faster: the products op's dozen
+# calls per chunk are a fixed cost. On Zen 4 with one thread, the products took 1.2-1.4x the float32
+# kernel's time at 1-17·10⁶ and 0.6-0.8x from 1.2·10⁸ (with two threads: 1.5x at 10⁶, 0.7x from 4·10⁶).
+MIN_PRODUCTS_WORK = 1 << 26
+
+
 def why_not_products(site: AttentionSite) -> str | None:
-    """Why ``site``'s backward cannot run as :func:`~hot_compile.runtime.attention_ops.attention_backward`'s
-    products, or None."""
+    """Why ``site``'s backward does not run as :func:`~hot_compile.runtime.attention_ops.attention_backward`'s
+    products, or None: what the op does not compute (legality), then a size too small to gain."""
     args = arguments(site.node)
     if args["dropout_p"]:
         return "dropout"
@@ -122,6 +129,10 @@ def why_not_products(site: AttentionSite) -> str | None:
         return "an attention mask"
     if not isinstance(site.shape[-1], int):
         return "a symbolic head size"
+    b, h, l, e = (optimization_hint(d) for d in site.shape)
+    work = b * h * l * e * optimization_hint(site.node.args[2].meta["val"].shape[-2])
+    if work < MIN_PRODUCTS_WORK:
+        return f"B·H·L·S·E = {work} under {MIN_PRODUCTS_WORK}, where the fused kernel is faster"
     return None
 
 

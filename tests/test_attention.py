@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import hot_compile
 from hot_compile import HotConfig
+from hot_compile.passes import attention_precision
 from hot_compile.passes.attention_precision import FLASH_CPU_BACKWARD
 from hot_compile.passes.saved_activations import attention_masks, why_kept
 from tests import tolerances as tol
@@ -64,7 +65,8 @@ def test_attention_backward_runs_in_float32_where_bf16_is_slower():
     assert error <= kept_error + tol.BF16_ROUNDING
 
 
-def test_attention_backward_runs_as_products_where_they_are_faster():
+def test_attention_backward_runs_as_products_where_they_are_faster(monkeypatch):
+    monkeypatch.setattr(attention_precision, "MIN_PRODUCTS_WORK", 0)  # the model's attention is a small one
     error, graphs, report = _bf16_step(PRODUCTS_BACKWARD)
     (row,) = report.select(path="attn")
     assert row.decision == "products" and row.shape == "4×2×40×16" and "bf16" in row.numerics
@@ -76,6 +78,13 @@ def test_attention_backward_runs_as_products_where_they_are_faster():
     # P and dS rounded to bf16 where they enter the products, as the bf16 kernel rounds them.
     print(f"attention gradient error: products {error:.5f}, bf16 backward {kept_error:.5f}")
     assert error <= kept_error + tol.BF16_ROUNDING
+
+
+def test_a_small_attention_backward_keeps_the_fused_kernel():
+    _, graphs, report = _bf16_step(PRODUCTS_BACKWARD)
+    (row,) = report.select(path="attn", decision="float32")
+    assert f"B·H·L·S·E = {4 * 2 * 40 * 40 * 16} under" in row.reason
+    assert graphs.nodes("backward", FLASH_CPU_BACKWARD)
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive", "causal"])
