@@ -112,8 +112,9 @@ def replace_attention_backward(graph: fx.Graph, site: AttentionSite, stand_ins: 
 
 
 # B·H·L·S·E of an attention below which its fused kernel stays the faster: the products op's dozen
-# calls per chunk are a fixed cost. On Zen 4 with one thread, the products took 1.2-1.4x the float32
-# kernel's time at 1-17·10⁶ and 0.6-0.8x from 1.2·10⁸ (with two threads: 1.5x at 10⁶, 0.7x from 4·10⁶).
+# calls per chunk are a fixed cost. Zen 4, the products' time over the float32 kernel's
+# (tools/attention_bench.py): one thread 1.46 at 1·10⁶, 1.22 at 4·10⁶, 0.97 at 1.7·10⁷, 0.71-0.91 from
+# 1.2·10⁸; two threads 1.76, 0.98, 0.73, then 0.83-0.89.
 MIN_PRODUCTS_WORK = 1 << 26
 
 

@@ -1,12 +1,14 @@
 """The attention backward as batched products (:mod:`hot_compile.runtime.attention_ops`) against the
-flash-attention backward in float64, and its elementwise kernel against float64's exponential."""
+flash-attention backward in float64, its elementwise kernel against float64's exponential, and the
+tool that times it against the fused kernels (``tools/attention_bench.py``)."""
 
 import pytest
 import torch
 
-from hot_compile.runtime import attention_ops, cpu_kernels
 from hot_compile.passes.attention_precision import FLASH_CPU_BACKWARD
+from hot_compile.runtime import attention_ops, cpu_kernels
 from tests import tolerances as tol
+from tests import tool_scripts
 
 FLASH_CPU_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
@@ -62,3 +64,12 @@ def test_probabilities_and_score_grad_against_float64(dtype):
 def test_probabilities_clamp_below_the_normal_range():
     p, _ = cpu_kernels.attention_probabilities(torch.tensor([-1000.0, -87.0, float("-inf")]), torch.ones(3), torch.float32)
     assert torch.equal(p, torch.full((3,), torch.tensor(-87.0).exp().item()))
+
+
+def test_attention_bench_times_and_checks_the_three_ways(monkeypatch):
+    bench = tool_scripts.load("attention_bench")
+    monkeypatch.setattr(bench, "SHAPES", ((2, 2, 24, 16),))
+    (row,) = bench.measure(repeats=1)
+    assert row["work"] == 2 * 2 * 24 * 24 * 16
+    assert all(row[f"{way} ms"] > 0 for way in ("bf16 kernel", "float32 kernel", "products"))
+    assert row["products error"] <= tol.ATTENTION_PRODUCTS and row["float32 kernel error"] <= row["bf16 kernel error"] + tol.BF16_ROUNDING

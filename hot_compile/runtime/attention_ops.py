@@ -1,8 +1,9 @@
 """The backward of a half-precision attention as batched products, a chunk of heads at a time.
 
-The CPU's flash-attention backward streams its blocks through small scalar-width loops: on Zen 4 it
-runs at about a third of the float32 GEMM's rate in either precision. With the scores of a few heads
-materialized, the same gradients are five batched products and two elementwise passes. For
+The CPU's flash-attention backward streams its blocks through small loops: on Zen 4, at ViT-S's
+heads, its five products run at about 60% of the float32 GEMM's rate in float32 and at a fifth of the
+bf16 GEMM's in bf16. With the scores of a few heads materialized, the same gradients are five
+batched products and one elementwise pass. For
 ``P = exp(scale·QKᵀ − lse)``, the probabilities the forward computed, and ``Δ = rowsum(dO ∘ O)``:
 
     dV = Pᵀ dO,   dS = scale · P ∘ (dO Vᵀ − Δ),   dQ = dS K,   dK = dSᵀ Q.
@@ -12,7 +13,7 @@ scores, and ``dS`` a difference of nearly equal terms, so neither may start from
 ``P`` and ``dS`` are rounded to the inputs' dtype where they enter the last three products, as the
 bf16 flash kernel rounds them; each gradient is one rounding of a float32 sum. Against float64, the
 gradients of ViT-S's and MiniLM's heads come out at 0.0024 relative error, between the float32
-kernel's 0.0017 and the bf16 kernel's 0.0031–0.0033 (BENCHMARKS.md).
+kernel's 0.0017 and the bf16 kernel's 0.0031–0.0033 (``tools/attention_bench.py``).
 
 CPU only (its elementwise pass is :func:`~hot_compile.runtime.cpu_kernels.attention_probabilities`).
 No mask, no dropout, no causal mask: the graph pass keeps the fused kernel for those.

@@ -178,7 +178,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             kernel_overhead=6e-6,
             op_overhead=1e-4,  # fitted on training steps of small layers (device_calibration.OVERHEAD_LAYERS)
             fp32_attention_backward=True,  # bf16 1.3-1.8x slower at ViT-S's and MiniLM's attention shapes
-            attention_backward_products=True,  # 0.80-0.84x the float32 kernel's time at ViT-S's and MiniLM's
+            attention_backward_products=True,  # 0.71-0.91x the float32 kernel's time at ViT-S's and MiniLM's heads
         ),
         DeviceProfile(
             name="cpu-avx2-2core",  # AMD EPYC, AVX2 only: INT4 products on oneDNN's u8s8 GEMM, INT8 on fp32
