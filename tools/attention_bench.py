@@ -11,15 +11,12 @@ device profile's two flags and ``attention_precision.MIN_PRODUCTS_WORK``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import pathlib
 import statistics
 
 import torch
 
 from hot_compile.harness.bench import interleaved_seconds, machine_info
-from hot_compile.harness.bench_report import machine_line
+from hot_compile.harness.bench_report import kernel_bench_parser, machine_line, write_table
 from hot_compile.passes.attention_precision import FLASH_CPU_BACKWARD
 from hot_compile.runtime.attention_ops import attention_backward
 
@@ -64,10 +61,7 @@ def measure(repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=25)
-    parser.add_argument("--out", required=True)
+    parser = kernel_bench_parser(__doc__.split("\n\n")[0], repeats=25)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = measure(args.repeats)
@@ -85,11 +79,7 @@ def main() -> None:
         errors = ", ".join(f"{r[f'{way} error']:.4f}" for way in ("bf16 kernel", "float32 kernel", "products"))
         cells = [str(r["shape"]), f"{r['work']:.2e}", *(f"{m:.2f}" for m in ms), f"{ms[2] / ms[1]:.2f}", errors]
         lines.append("| " + " | ".join(cells) + " |")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2))
-    (out / "attention.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "attention", {"threads": args.threads, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,14 @@ fastest), output in bf16 as under autocast:
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import pathlib
 import statistics
 import unittest.mock
 
 import torch
 
 from hot_compile.harness.bench import interleaved_seconds, machine_info
-from hot_compile.harness.bench_report import machine_line
+from hot_compile.harness.bench_report import kernel_bench_parser, machine_line, write_table
 from hot_compile.runtime import cpu_kernels, int8_gemm
 
 # (name, M, K, N, layout): the MLP block's and ViT-S's products at 32 × 196(197) tokens; layout of
@@ -77,10 +74,7 @@ def measure(repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", required=True)
+    parser = kernel_bench_parser(__doc__.split("\n\n")[0], repeats=15)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = measure(args.repeats)
@@ -103,11 +97,7 @@ def main() -> None:
         lines.append(
             f"| {r['name']} | {r['m']} × {r['k']} × {r['n']} | " + " | ".join(cells) + f" | {r['hot_ms'] / r['bf16_ms']:.2f} |"
         )
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "int8_gemm.json").write_text(json.dumps({"amx": amx, "rows": rows}, indent=2))
-    (out / "int8_gemm.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "int8_gemm", {"amx": amx, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

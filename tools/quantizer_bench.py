@@ -19,8 +19,6 @@ tree's C signatures (``cpu_kernels._SIGNATURES``).
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import statistics
 import subprocess
@@ -29,7 +27,7 @@ import unittest.mock
 import torch
 
 from hot_compile.harness.bench import interleaved_seconds, machine_info
-from hot_compile.harness.bench_report import machine_line
+from hot_compile.harness.bench_report import kernel_bench_parser, machine_line, write_table
 from hot_compile.runtime import cpu_kernels
 
 # (operand, rows, columns): ViT-S's at 32 × 197 tokens and the MLP block's at 32 × 196.
@@ -83,11 +81,8 @@ def measure(repeats: int, against) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=25)
+    parser = kernel_bench_parser(__doc__.split("\n\n")[0], repeats=25)
     parser.add_argument("--against", help="a git revision whose C++ library runs beside this tree's")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = measure(args.repeats, library_at(args.against) if args.against else None)
@@ -107,11 +102,7 @@ def main() -> None:
         if args.against:
             cells += [f"{r['against_ms']:.2f}", f"{r['this_ms'] / r['against_ms']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quantizers.json").write_text(json.dumps({"against": args.against, "rows": rows}, indent=2))
-    (out / "quantizers.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "quantizers", {"against": args.against, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ section of BENCHMARKS.md it rewrites."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import pathlib
@@ -168,3 +169,23 @@ def write_outputs(result: dict[str, Any], out_dir: pathlib.Path, command: str | 
     if not bar_chart(result, paths["png"]):
         del paths["png"]
     return paths
+
+
+def kernel_bench_parser(description: str, repeats: int) -> argparse.ArgumentParser:
+    """The arguments of the tools that time kernels alone, outside a model: ``--threads``,
+    ``--repeats`` (timed calls of each kernel) and ``--out`` (a folder)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--out", required=True)
+    return parser
+
+
+def write_table(out: str | pathlib.Path, stem: str, data: dict[str, Any], lines: list[str]) -> None:
+    """A kernel tool's results under ``out``: ``data`` as ``{stem}.json``, the table ``lines`` as
+    ``{stem}.md``, also printed."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2))
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
