@@ -118,9 +118,9 @@ def replace_attention_backward(graph: fx.Graph, site: AttentionSite, stand_ins: 
 MIN_PRODUCTS_WORK = 1 << 26
 
 
-def why_not_products(site: AttentionSite) -> str | None:
-    """Why ``site``'s backward does not run as :func:`~hot_compile.runtime.attention_ops.attention_backward`'s
-    products, or None: what the op does not compute (legality), then a size too small to gain."""
+def products_illegal(site: AttentionSite) -> str | None:
+    """What of ``site``'s attention :func:`~hot_compile.runtime.attention_ops.attention_backward` does
+    not compute, or None."""
     args = arguments(site.node)
     if args["dropout_p"]:
         return "dropout"
@@ -130,11 +130,21 @@ def why_not_products(site: AttentionSite) -> str | None:
         return "an attention mask"
     if not isinstance(site.shape[-1], int):
         return "a symbolic head size"
+    return None
+
+
+def products_too_small(site: AttentionSite) -> str | None:
+    """Why the products would not gain on ``site``'s attention (its size, :data:`MIN_PRODUCTS_WORK`), or None."""
     b, h, l, e = (optimization_hint(d) for d in site.shape)
     work = b * h * l * e * optimization_hint(site.node.args[2].meta["val"].shape[-2])
     if work < MIN_PRODUCTS_WORK:
         return f"B·H·L·S·E = {work} under {MIN_PRODUCTS_WORK}, where the fused kernel is faster"
     return None
+
+
+def why_not_products(site: AttentionSite) -> str | None:
+    """Why ``site``'s backward does not run as products, or None: legality, then profitability."""
+    return products_illegal(site) or products_too_small(site)
 
 
 def products_attention_backward(graph: fx.Graph, site: AttentionSite, created: list[fx.Node]) -> list[fx.Node]:
