@@ -26,18 +26,15 @@ inline Float16x exp16(Float16x x) {
   return p * (Float16x)((__builtin_convertvector(n, Int16x) + 127) << 23);
 }
 
-// 16 float lanes into out[0..16) as `store` rounds one.
-inline void store16(Float16x v, float* out) { std::memcpy(out, &v, sizeof v); }
-inline void store16(Float16x v, BFloat16* out) {
-  const UInt16x word = (UInt16x)v;
-  UInt16x bits = (word + 0x7fffu + ((word >> 16) & 1u)) >> 16;  // round to nearest even
-  bits = (word & 0x7fffffffu) > 0x7f800000u ? (word >> 16) | 0x40u : bits;  // a quiet NaN stays NaN
-  const UInt16x16 narrow = __builtin_convertvector(bits, UInt16x16);
-  std::memcpy(out, &narrow, sizeof narrow);
-}
-inline void store16(Float16x v, _Float16* out) {
-  const Half16x narrow = __builtin_convertvector(v, Half16x);
-  std::memcpy(out, &narrow, sizeof narrow);
+// P = e^x and dS = P · score_grad for `count` ≤ 16 values, each rounded to Out by `store`.
+template <typename Out>
+inline void probabilities16(Float16x x, Float16x score_grad, int64_t count, Out* p, Out* ds) {
+  const Float16x e = exp16(x), d = e * score_grad;
+#pragma omp simd
+  for (int64_t j = 0; j < count; ++j) {
+    store(e[j], p + j);
+    store(d[j], ds + j);
+  }
 }
 
 // P = e^shifted and dS = P · score_grad, each written once in the output dtype.
@@ -48,19 +45,8 @@ void probabilities_and_score_grad(const float* shifted, const float* score_grad,
   for (int64_t c = 0; c < count; c += SPAN) {
     const int64_t stop = std::min(count, c + SPAN);
     int64_t i = c;
-    for (; i + 16 <= stop; i += 16) {
-      const Float16x e = exp16(load16(shifted + i));
-      store16(e, p + i);
-      store16(e * load16(score_grad + i), ds + i);
-    }
-    if (i < stop) {  // the last few values, through a buffer of 16
-      Out tail_p[16], tail_ds[16];
-      const Float16x e = exp16(load16(shifted + i, stop - i));
-      store16(e, tail_p);
-      store16(e * load16(score_grad + i, stop - i), tail_ds);
-      std::memcpy(p + i, tail_p, (stop - i) * sizeof(Out));
-      std::memcpy(ds + i, tail_ds, (stop - i) * sizeof(Out));
-    }
+    for (; i + 16 <= stop; i += 16) probabilities16(load16(shifted + i), load16(score_grad + i), 16, p + i, ds + i);
+    if (i < stop) probabilities16(load16(shifted + i, stop - i), load16(score_grad + i, stop - i), stop - i, p + i, ds + i);
   }
 }
 

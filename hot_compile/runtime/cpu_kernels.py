@@ -376,5 +376,5 @@ def attention_probabilities(shifted: torch.Tensor, score_grad: torch.Tensor, dty
     ``e⁻⁸⁷`` for arguments below −87."""
     shifted, score_grad = shifted.contiguous(), score_grad.contiguous()
     p, ds = torch.empty(shifted.shape, dtype=dtype), torch.empty(shifted.shape, dtype=dtype)
-    _library().hot_attention_probabilities(shifted.data_ptr(), score_grad.data_ptr(), shifted.numel(), _DTYPES[dtype], p.data_ptr(), ds.data_ptr())
+    _library().hot_attention_probabilities(shifted.data_ptr(), score_grad.data_ptr(), shifted.numel(), _dtype_code(p), p.data_ptr(), ds.data_ptr())
     return p, ds
