@@ -180,7 +180,7 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         a = torch.randn(size, size).to(getattr(torch, dtype))
         flops[dtype] = 2 * size**3 / median_seconds(lambda a=a: a @ a, repeats)
     q8 = torch.randint(-127, 128, (size, size), dtype=torch.int8)
-    fused_epilogue = cpu_kernels.amx_int8()
+    fused_epilogue = bool(cpu_kernels.fused_gemm())
     if fused_epilogue:
         # The GEMM HOT's CPU ops run there, on a contraction long enough that its output write is noise.
         a, b, ones = q8.repeat(1, 4), q8.repeat(4, 1), torch.ones(size)

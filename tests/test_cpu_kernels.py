@@ -213,7 +213,7 @@ def test_noise_offset_is_the_hash_of_the_seed_and_salt():
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out_dtype):
-    monkeypatch.setattr(cpu_kernels, "amx_int8", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "fused_gemm", lambda: "")
     monkeypatch.setattr(cpu_kernels, "MIN_CHUNK_ROWS", 16)
     monkeypatch.setattr(cpu_kernels, "CHUNK_BYTES", 16 * 4 * 24)  # 16-row chunks of a [.., 24] product
     a = torch.randint(-127, 128, (100, 40), dtype=torch.int8)
@@ -226,32 +226,34 @@ def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(100, 40, 24), (64, 128, 64), (300, 200, 70), (33, 8, 17), (70, 2100, 40)])
-def test_amx_product_is_the_chunked_one_exactly(monkeypatch, out_dtype, shape):
-    """HOT's AMX kernel against ``torch._int_mm`` and the chunked dequantize: the int32 sums are exact
-    in both and the epilogue's arithmetic is the same, so every output is equal. The shapes leave
-    partial tiles along each dimension (32 rows, 64 contraction values, 32 columns a block) and a
-    contraction summed in three chunks, and each operand is read row- and column-major (HLA's ``q(P g)ᵀ``, the forward's ``q(W)ᵀ``)."""
-    if not cpu_kernels.amx_int8():  # asked here: the library loads under the session's cache (conftest)
-        pytest.skip("HOT's AMX GEMM needs AMX-INT8 and a build of the library with it")
+@pytest.mark.parametrize("shape", [(100, 40, 24), (64, 128, 64), (300, 200, 70), (33, 8, 17), (70, 2100, 40), (40, 8300, 40)])
+def test_fused_product_is_the_chunked_one_exactly(monkeypatch, out_dtype, shape):
+    """HOT's own GEMM (AMX or VNNI) against ``torch._int_mm`` and the chunked dequantize: the int32 sums
+    are exact in both and the epilogue's arithmetic is the same, so every output is equal. The shapes
+    leave partial tiles along each dimension (32 or 12 rows, 64 contraction values, 32 columns a
+    block) and contractions summed in several chunks (the AMX engine's 1024, the VNNI engine's 4096),
+    and each operand is read row- and column-major (HLA's ``q(P g)ᵀ``, the forward's ``q(W)ᵀ``).
+    Operands reach -128, whose sign bit the VNNI engine flips to offset A."""
+    if not cpu_kernels.fused_gemm():  # asked here: the library loads under the session's cache (conftest)
+        pytest.skip("HOT's own GEMM needs AMX-INT8 or AVX512-VNNI and a build of the library with it")
     m, k, n = shape
     a = torch.randint(-128, 128, (m, k), dtype=torch.int8)
     b = torch.randint(-128, 128, (k, n), dtype=torch.int8)
     row_scale, col_scale, bias = torch.rand(m, 1), torch.rand(n), torch.randn(n)
     def product(a, b, **bias_arg):
         return cpu_kernels.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, int8_gemm.int8_matmul, **bias_arg)
-    amx = [product(x, y, bias=bias) for x in (a, a.t().contiguous().t()) for y in (b, b.t().contiguous().t())]
-    amx_without_bias = product(a, b)
-    monkeypatch.setattr(cpu_kernels, "amx_int8", lambda: False)
+    fused = [product(x, y, bias=bias) for x in (a, a.t().contiguous().t()) for y in (b, b.t().contiguous().t())]
+    fused_without_bias = product(a, b)
+    monkeypatch.setattr(cpu_kernels, "fused_gemm", lambda: "")
     expected = product(a, b, bias=bias)
-    assert all(torch.equal(out, expected) for out in amx)
-    assert torch.equal(amx_without_bias, product(a, b))
+    assert all(torch.equal(out, expected) for out in fused)
+    assert torch.equal(fused_without_bias, product(a, b))
 
 
-def test_cpu_ops_run_the_amx_gemm_where_the_cpu_has_it(monkeypatch):
-    """With AMX, HOT's ops never call ``torch._int_mm``, and their gradients are the chunked path's."""
-    if not cpu_kernels.amx_int8():
-        pytest.skip("HOT's AMX GEMM needs AMX-INT8 and a build of the library with it")
+def test_cpu_ops_run_the_fused_gemm_where_the_cpu_has_it(monkeypatch):
+    """With AMX or VNNI, HOT's ops never call ``torch._int_mm``, and their gradients are the chunked path's."""
+    if not cpu_kernels.fused_gemm():
+        pytest.skip("HOT's own GEMM needs AMX-INT8 or AVX512-VNNI and a build of the library with it")
     g, w, x = make("gaussian", 100, 48, 0), make("gaussian", 48, 40, 1), make("gaussian", 100, 40, 2)
     xq, xs = ops.compress_activation(x, 16, 8, True)
 
@@ -259,11 +261,11 @@ def test_cpu_ops_run_the_amx_gemm_where_the_cpu_has_it(monkeypatch):
         return ops.hq_grad_input(g, w, SEED, 8, 8, True, True, "per_channel"), ops.hla_grad_weight(g, xq, xs, SEED, 16, 8, True, torch.float32)
 
     with monkeypatch.context() as chunked:
-        chunked.setattr(cpu_kernels, "amx_int8", lambda: False)
+        chunked.setattr(cpu_kernels, "fused_gemm", lambda: "")
         expected = grads()
 
     def no_int_mm(*args):
-        raise AssertionError("torch._int_mm called where the AMX kernel runs")
+        raise AssertionError("torch._int_mm called where HOT's own GEMM runs")
 
     monkeypatch.setattr(torch, "_int_mm", no_int_mm)
     assert all(torch.equal(a, b) for a, b in zip(grads(), expected))

@@ -5,9 +5,10 @@ Interleaved in one process, so that a CPU whose rate moves from one second to th
 its AMX unit) moves every column alike. Columns, milliseconds (median of ``--repeats``, and the
 fastest), output in bf16 as under autocast:
 
-* ``hot``: ``cpu_kernels.matmul_dequantized``, the GEMM HOT's CPU ops run (on AMX tiles where
-  ``cpu_kernels.amx_int8()``, else ``torch._int_mm`` in row chunks);
-* ``int_mm``: the same with ``torch._int_mm`` in row chunks, where the first is the AMX kernel;
+* ``hot``: ``cpu_kernels.matmul_dequantized``, the GEMM HOT's CPU ops run (HOT's own on AMX tiles or
+  AVX512-VNNI registers where ``cpu_kernels.fused_gemm()`` names one, else ``torch._int_mm`` in row
+  chunks);
+* ``int_mm``: the same with ``torch._int_mm`` in row chunks, where the first is HOT's own;
 * ``bf16``: ``torch.mm`` on bf16 operands of the same layout, the product Inductor runs under autocast.
 
     python tools/int8_gemm_bench.py --out benchmarks/int8-gemm-spr
@@ -48,8 +49,8 @@ def _operand(rows: int, cols: int, layout: str) -> torch.Tensor:
 
 
 def _on_int_mm_chunks(*args) -> torch.Tensor:
-    """``matmul_dequantized`` on ``torch._int_mm`` in row chunks, where it would run the AMX kernel."""
-    with unittest.mock.patch.object(cpu_kernels, "amx_int8", lambda: False):
+    """``matmul_dequantized`` on ``torch._int_mm`` in row chunks, where it would run HOT's own GEMM."""
+    with unittest.mock.patch.object(cpu_kernels, "fused_gemm", lambda: ""):
         return cpu_kernels.matmul_dequantized(*args)
 
 
@@ -62,7 +63,7 @@ def measure(repeats: int) -> list[dict]:
         row_scale, col_scale = torch.rand(m), torch.rand(n)
         args = (a, b, row_scale, col_scale, 16.0, torch.bfloat16, product)
         calls = {"hot": lambda: cpu_kernels.matmul_dequantized(*args), "bf16": lambda: torch.mm(af, bf)}
-        if cpu_kernels.amx_int8():
+        if cpu_kernels.fused_gemm():
             calls["int_mm"] = lambda: _on_int_mm_chunks(*args)
         times = interleaved_seconds(calls, repeats)
         rows.append(
@@ -78,26 +79,26 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = measure(args.repeats)
-    amx = cpu_kernels.amx_int8()
+    engine = cpu_kernels.fused_gemm()
     lines = [
         machine_line(machine_info()),
         "",
         f"`python tools/int8_gemm_bench.py --out {args.out}`; hot = "
-        + ("HOT's AMX kernel" if amx else "torch._int_mm in row chunks")
+        + (f"HOT's GEMM on {engine.upper()}" if engine else "torch._int_mm in row chunks")
         + f", medians (fastest) of {args.repeats} interleaved calls, ms",
         "",
-        "| product | M × K × N | hot | " + ("int_mm chunks | " if amx else "") + "bf16 mm | hot / bf16 |",
-        "|---|---|---|" + ("---|" if amx else "") + "---|---|",
+        "| product | M × K × N | hot | " + ("int_mm chunks | " if engine else "") + "bf16 mm | hot / bf16 |",
+        "|---|---|---|" + ("---|" if engine else "") + "---|---|",
     ]
     for r in rows:
         cells = [f"{r['hot_ms']:.2f} ({r['hot_min_ms']:.2f})"]
-        if amx:
+        if engine:
             cells.append(f"{r['int_mm_ms']:.2f} ({r['int_mm_min_ms']:.2f})")
         cells.append(f"{r['bf16_ms']:.2f} ({r['bf16_min_ms']:.2f})")
         lines.append(
             f"| {r['name']} | {r['m']} × {r['k']} × {r['n']} | " + " | ".join(cells) + f" | {r['hot_ms'] / r['bf16_ms']:.2f} |"
         )
-    write_table(args.out, "int8_gemm", {"amx": amx, "rows": rows}, lines)
+    write_table(args.out, "int8_gemm", {"engine": engine, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

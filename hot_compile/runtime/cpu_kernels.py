@@ -1,5 +1,6 @@
 """HOT's transforms and quantizers on the CPU as fused native loops (``cpu_primitives.cpp``, ``cpu_kernels.cpp``,
-``cpu_encode.cpp``, ``cpu_amx.cpp``).
+``cpu_encode.cpp``, ``cpu_attention.cpp``, ``cpu_gemm.cpp``,
+``cpu_gemm_engines.cpp``).
 
 Compiled by Inductor, the aten composites of :mod:`hot_compile.runtime.aten_impl` spent most of a CPU backward
 outside the integer GEMM (the MLP block under bf16 autocast, Zen 4: 300 ms of 480, against 162 ms in
@@ -12,8 +13,8 @@ per-slice scale a second pass over it, and each dequantize a pass over a fresh i
   matrix for HQ's weight, the low-pass Walsh rows for HLA and ABC) in two reads: the per-column
   statistics, then the quantization, recomputing the transform rather than storing it;
 * :func:`matmul_dequantized` runs the integer GEMM and scales its int32 sums into the output dtype,
-  so no product-sized int32 buffer is ever allocated: on AMX tiles (``cpu_amx.cpp``) where
-  :func:`amx_int8`, else ``torch._int_mm`` in row chunks;
+  so no product-sized int32 buffer is ever allocated: HOT's own GEMM (``cpu_gemm*.cpp``) on AMX tiles
+  or AVX512-VNNI registers, as :func:`fused_gemm` says, else ``torch._int_mm`` in row chunks;
 * :func:`encode_rows` and :func:`encode_derivative` code a saved activation (``compress_saved``) one
   row at a time, in two reads of the row: its range, then its codes.
 
@@ -44,7 +45,7 @@ from .devices import cache_root, cpu_identity
 from .quant import guard_scale, qmax
 
 # One translation unit, in this order.
-_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp", "cpu_attention.cpp", "cpu_amx.cpp"))
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp", "cpu_attention.cpp", "cpu_gemm.cpp", "cpu_gemm_engines.cpp"))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # aten_impl.encode_derivative's functions, as cpu_encode.cpp numbers them.
 _DERIVATIVES = {name: number for number, name in enumerate((GIVEN, *DERIVATIVES))}
@@ -62,10 +63,12 @@ _SIGNATURES = {
     "hot_derivative_encode": (_P, _I, _I, _I, _I, _U, _P, _P, _P),
     "hot_derivative_values": (_P, _I, _I, _I, _P),
     "hot_attention_probabilities": (_P, _P, _I, _I, _P, _P),
-    "hot_amx_compiled": (),
-    "hot_amx_matmul_dequantize": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
+    "hot_gemm_engines": (),
+    "hot_matmul_dequantize": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I, _I),
 }
-_RESULTS = {"hot_amx_compiled": ctypes.c_int64}
+_RESULTS = {"hot_gemm_engines": ctypes.c_int64}
+# The engines of cpu_gemm.cpp, as it numbers them.
+_GEMM_ENGINES = {"vnni": 1, "amx": 2}
 
 # Seconds callers have waited for the library: the part of its build that did not overlap anything.
 build_seconds = 0.0
@@ -249,10 +252,14 @@ def quantize_columns(
 
 
 @functools.cache
-def amx_int8() -> bool:
-    """Whether :func:`matmul_dequantized` runs HOT's integer GEMM on AMX tiles (``cpu_amx.cpp``): the
-    library was built with AMX and the OS lets this process use it. Elsewhere it runs ``matmul``."""
-    return bool(_library().hot_amx_compiled()) and torch.cpu._init_amx()
+def fused_gemm() -> str:
+    """The engine of HOT's own integer GEMM (``cpu_gemm.cpp``) that :func:`matmul_dequantized` runs:
+    ``"amx"`` where the library was built with AMX and the OS lets this process use it, else
+    ``"vnni"`` where it was built with AVX512-VNNI, else ``""``: ``matmul`` in row chunks."""
+    engines = _library().hot_gemm_engines()
+    if engines & _GEMM_ENGINES["amx"] and torch.cpu._init_amx():
+        return "amx"
+    return "vnni" if engines & _GEMM_ENGINES["vnni"] else ""
 
 
 def matmul_dequantized(
@@ -267,9 +274,9 @@ def matmul_dequantized(
 ) -> torch.Tensor:
     """``matmul(a, b) · row_scale · col_scale / divisor (+ bias)`` in ``out_dtype``: ``a: [M, K]``,
     ``b: [K, N]`` int8 (any strides), ``matmul`` their exact int32 product
-    (:func:`hot_compile.runtime.int8_gemm.int8_matmul`; where :func:`amx_int8`, HOT's AMX kernel computes
-    the same exact sums instead and ``matmul`` is not called), ``row_scale`` ``[M]``-sized or one value, ``col_scale`` ``[N]``-sized or one value (float32,
-    contiguous), ``bias`` ``[N]`` of any float dtype."""
+    (:func:`hot_compile.runtime.int8_gemm.int8_matmul`; where :func:`fused_gemm`, HOT's own GEMM computes
+    the same exact sums instead and ``matmul`` is not called), ``row_scale`` ``[M]``-sized or one value,
+    ``col_scale`` ``[N]``-sized or one value (float32, contiguous), ``bias`` ``[N]`` of any float dtype."""
     lib = _library()
     m, n = a.shape[0], b.shape[1]
     out = torch.empty(m, n, dtype=out_dtype)
@@ -277,11 +284,13 @@ def matmul_dequantized(
     row_ptr, row_stride = _scale_arg(row_scale)
     col_ptr, col_stride = _scale_arg(col_scale)
     bias = None if bias is None else bias.to(torch.float32).contiguous()
-    if amx_int8():
+    engine = fused_gemm()
+    if engine:
         if m and n:
-            lib.hot_amx_matmul_dequantize(
+            lib.hot_matmul_dequantize(
                 a.data_ptr(), m, a.shape[1], a.stride(0), a.stride(1), b.data_ptr(), n, b.stride(0), b.stride(1),
                 row_ptr, row_stride, col_ptr, col_stride, divisor, _ptr(bias), out.data_ptr(), code,
+                _GEMM_ENGINES[engine],
             )  # fmt: skip
         return out
     rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * max(n, 1)))

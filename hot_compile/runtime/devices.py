@@ -53,7 +53,7 @@ class DeviceProfile:
             faster as batched products (:mod:`~hot_compile.runtime.attention_ops`) than either fused
             kernel (:mod:`~hot_compile.passes.attention_precision`).
         int8_fused_epilogue: the integer product scales its int32 sums into the output as it goes, and
-            writes no int32 product (HOT's AMX kernel, :func:`~hot_compile.runtime.cpu_kernels.amx_int8`);
+            writes no int32 product (HOT's own GEMM, :func:`~hot_compile.runtime.cpu_kernels.fused_gemm`);
             ``int8_ops`` is then that kernel's rate.
         stochastic_code_rate: values/s that a stochastic code of a saved value (the derivative code of
             :mod:`~hot_compile.passes.saved_activations`) rounds, beyond its reads and writes: a hash per
