@@ -1,6 +1,7 @@
 """The fused CPU loops of :mod:`hot_compile.runtime.cpu_kernels` against the aten quantizers and transforms they
 replace. The ops built on them are checked against float64 in ``test_ops.py`` (fixture ``impl``)."""
 
+import math
 import os
 import pathlib
 
@@ -66,6 +67,22 @@ def test_quantize_columns_is_the_quantizer_of_the_lowpass(rank, tokens):
             x, hadamard.walsh_basis(rank), tail, rows, 8, scale.flatten(), stochastic=stochastic, offset=offset
         )
         assert q.shape == (rows, 40) and _levels_agree(q, expected_q)
+
+
+@pytest.mark.parametrize("rank", [5, 16])
+@pytest.mark.parametrize("shape", [(197, 40), (256, 130)])
+def test_quantize_columns_column_major_stores_the_same_codes(rank, shape):
+    """HLA's ``q(P g)`` stored column-major is the row-major codes exactly: the same noise index per
+    value, whole 16 × 64 tiles by byte transposes (rank 16, 64 columns), the rest value by value."""
+    tokens, channels = shape
+    x = make("outlier", tokens, channels, 2)
+    tail = hadamard.tail_basis(tokens % 16, rank)
+    rows = hadamard.lowpass_rows(tokens, rank)
+    scale = hadamard.lowpass(x, rank, tail).abs().amax(0) / 127
+    args = (x, hadamard.walsh_basis(rank), tail, rows, 8, scale)
+    expected = cpu_kernels.quantize_columns(*args, stochastic=True, offset=5)
+    q = cpu_kernels.quantize_columns(*args, stochastic=True, offset=5, column_major=True)
+    assert q.stride() == (1, rows) and torch.equal(q, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -236,22 +253,29 @@ def test_fused_product_is_the_chunked_one_exactly(monkeypatch, out_dtype, shape)
     Operands reach -128, whose sign bit the VNNI engine flips to offset A."""
     if not cpu_kernels.fused_gemm():  # asked here: the library loads under the session's cache (conftest)
         pytest.skip("HOT's own GEMM needs AMX-INT8 or AVX512-VNNI and a build of the library with it")
+    monkeypatch.setattr(cpu_kernels, "VNNI_CONTRACTION_PER_ROW", math.inf)  # every shape on it, the long contractions too
     m, k, n = shape
     a = torch.randint(-128, 128, (m, k), dtype=torch.int8)
     b = torch.randint(-128, 128, (k, n), dtype=torch.int8)
     row_scale, col_scale, bias = torch.rand(m, 1), torch.rand(n), torch.randn(n)
-    def product(a, b, **bias_arg):
-        return cpu_kernels.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, int8_gemm.int8_matmul, **bias_arg)
+
+    def no_matmul(a, b):
+        raise AssertionError("the chunked path ran where HOT's own GEMM should")
+
+    def product(a, b, matmul=no_matmul, **bias_arg):
+        return cpu_kernels.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, matmul, **bias_arg)
+
     fused = [product(x, y, bias=bias) for x in (a, a.t().contiguous().t()) for y in (b, b.t().contiguous().t())]
     fused_without_bias = product(a, b)
     monkeypatch.setattr(cpu_kernels, "fused_gemm", lambda: "")
-    expected = product(a, b, bias=bias)
+    expected = product(a, b, int8_gemm.int8_matmul, bias=bias)
     assert all(torch.equal(out, expected) for out in fused)
-    assert torch.equal(fused_without_bias, product(a, b))
+    assert torch.equal(fused_without_bias, product(a, b, int8_gemm.int8_matmul))
 
 
 def test_cpu_ops_run_the_fused_gemm_where_the_cpu_has_it(monkeypatch):
-    """With AMX or VNNI, HOT's ops never call ``torch._int_mm``, and their gradients are the chunked path's."""
+    """With AMX or VNNI, HOT's ops call ``torch._int_mm`` for no product whose contraction is at most
+    4× its rows (here all of them), and their gradients are the chunked path's."""
     if not cpu_kernels.fused_gemm():
         pytest.skip("HOT's own GEMM needs AMX-INT8 or AVX512-VNNI and a build of the library with it")
     g, w, x = make("gaussian", 100, 48, 0), make("gaussian", 48, 40, 1), make("gaussian", 100, 40, 2)
@@ -338,3 +362,26 @@ def test_an_unwritable_cache_only_costs_a_build(monkeypatch, tmp_path):
     monkeypatch.setenv("HOT_CACHE_DIR", str(not_a_folder))
     library = cpu_kernels._load()  # built (or found) by Inductor, nothing kept
     assert library.hot_rows_quantize is not None and not cpu_kernels.library_path().exists()
+
+
+def test_vnni_gemm_leaves_long_contractions_of_few_rows_to_int_mm(monkeypatch):
+    """On the VNNI engine a product whose contraction is over 4× its rows (HLA's ``[N, L] × [L, K]`` of a
+    narrow layer) runs ``torch._int_mm`` in row chunks, whose packing of B is faster there; the AMX
+    engine runs every product."""
+    if cpu_kernels.fused_gemm() != "vnni":
+        pytest.skip("the VNNI engine's dispatch: this CPU runs " + (cpu_kernels.fused_gemm() or "no engine of its own"))
+    calls = []
+    product = int8_gemm.int8_matmul
+
+    def counted(a, b):
+        calls.append(a.shape)
+        return product(a, b)
+
+    a = torch.randint(-127, 128, (16, 65), dtype=torch.int8)
+    b = torch.randint(-127, 128, (65, 8), dtype=torch.int8)
+    long = cpu_kernels.matmul_dequantized(a, b, torch.ones(16), torch.ones(8), 1, torch.float32, counted)
+    assert calls == [(16, 65)]
+    short = cpu_kernels.matmul_dequantized(a[:, :64], b[:64], torch.ones(16), torch.ones(8), 1, torch.float32, counted)
+    assert calls == [(16, 65)]
+    assert torch.equal(long, (a.double() @ b.double()).float())
+    assert torch.equal(short, (a[:, :64].double() @ b[:64].double()).float())

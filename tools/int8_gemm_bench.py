@@ -8,6 +8,8 @@ fastest), output in bf16 as under autocast:
 * ``hot``: ``cpu_kernels.matmul_dequantized``, the GEMM HOT's CPU ops run (HOT's own on AMX tiles or
   AVX512-VNNI registers where ``cpu_kernels.fused_gemm()`` names one, else ``torch._int_mm`` in row
   chunks);
+* ``own GEMM, every shape``: on VNNI, HOT's own GEMM at the shapes ``hot`` leaves to ``torch._int_mm``
+  too (a contraction over 4× the rows, ``cpu_kernels.VNNI_CONTRACTION_PER_ROW``);
 * ``int_mm``: the same with ``torch._int_mm`` in row chunks, where the first is HOT's own;
 * ``bf16``: ``torch.mm`` on bf16 operands of the same layout, the product Inductor runs under autocast.
 
@@ -17,6 +19,7 @@ fastest), output in bf16 as under autocast:
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import unittest.mock
 
@@ -26,19 +29,21 @@ from hot_compile.harness.bench import interleaved_seconds, machine_info
 from hot_compile.harness.bench_report import kernel_bench_parser, machine_line, write_table
 from hot_compile.runtime import cpu_kernels, int8_gemm
 
-# (name, M, K, N, layout): the MLP block's and ViT-S's products at 32 × 196(197) tokens; layout of
-# (A, B): "rows" row-major, "cols" its transpose in memory (the forward's q(W)ᵀ, HLA's q(P g)ᵀ).
+# (name, M, K, N, layout): the MLP block's, ViT-S's and MiniLM's products at 32 × 196(197) and 32 × 128
+# tokens; layout of (A, B): "rows" row-major, "cols" its transpose in memory (the forward's q(W)ᵀ).
 SHAPES = (
     ("MLP fwd fc1", 6272, 768, 3072, ("rows", "cols")),
     ("MLP fwd fc2", 6272, 3072, 768, ("rows", "cols")),
     ("MLP grad_input fc2", 6272, 768, 3072, ("rows", "rows")),
     ("MLP grad_input fc1", 6272, 3072, 768, ("rows", "rows")),
-    ("MLP grad_weight fc2", 768, 6272, 3072, ("cols", "rows")),
-    ("MLP grad_weight fc1", 3072, 6272, 768, ("cols", "rows")),
+    ("MLP grad_weight fc2", 768, 6272, 3072, ("rows", "rows")),
+    ("MLP grad_weight fc1", 3072, 6272, 768, ("rows", "rows")),
     ("ViT qkv fwd", 6304, 384, 1152, ("rows", "cols")),
     ("ViT fc2 grad_input", 6304, 384, 1536, ("rows", "rows")),
     ("ViT fc2 fwd", 6304, 1536, 384, ("rows", "cols")),
-    ("ViT fc1 grad_weight", 1536, 6304, 384, ("cols", "rows")),
+    ("ViT fc1 grad_weight", 1536, 6304, 384, ("rows", "rows")),
+    ("MiniLM intermediate grad_input", 4096, 384, 1536, ("rows", "rows")),
+    ("MiniLM output grad_weight", 384, 4096, 1536, ("rows", "rows")),
 )
 
 
@@ -48,23 +53,34 @@ def _operand(rows: int, cols: int, layout: str) -> torch.Tensor:
     return torch.randint(-127, 128, (rows, cols), dtype=torch.int8)
 
 
-def _on_int_mm_chunks(*args) -> torch.Tensor:
-    """``matmul_dequantized`` on ``torch._int_mm`` in row chunks, where it would run HOT's own GEMM."""
-    with unittest.mock.patch.object(cpu_kernels, "fused_gemm", lambda: ""):
-        return cpu_kernels.matmul_dequantized(*args)
+def _patched(name: str, value):
+    """``matmul_dequantized`` with ``cpu_kernels.<name>`` set to ``value``."""
+
+    def call(*args) -> torch.Tensor:
+        with unittest.mock.patch.object(cpu_kernels, name, value):
+            return cpu_kernels.matmul_dequantized(*args)
+
+    return call
 
 
-def measure(repeats: int) -> list[dict]:
+def _columns(engine: str) -> dict[str, str]:
+    """Column key → heading, beyond ``hot``: where HOT has its own GEMM, ``torch._int_mm`` in row chunks,
+    and on VNNI the own GEMM at every shape (``hot`` leaves long contractions of few rows to ``int_mm``)."""
+    columns = {"own": "own GEMM, every shape"} if engine == "vnni" else {}
+    return columns | ({"int_mm": "int_mm chunks"} if engine else {}) | {"bf16": "bf16 mm"}
+
+
+def measure(repeats: int, engine: str) -> list[dict]:
     product = functools.partial(int8_gemm.int8_matmul, a_max=127, b_max=127)
+    variants = {"hot": cpu_kernels.matmul_dequantized, "own": _patched("VNNI_CONTRACTION_PER_ROW", math.inf), "int_mm": _patched("fused_gemm", lambda: "")}
     rows = []
     for name, m, k, n, (a_layout, b_layout) in SHAPES:
         a, b = _operand(m, k, a_layout), _operand(k, n, b_layout)
         af, bf = a.to(torch.bfloat16), b.to(torch.bfloat16)
         row_scale, col_scale = torch.rand(m), torch.rand(n)
         args = (a, b, row_scale, col_scale, 16.0, torch.bfloat16, product)
-        calls = {"hot": lambda: cpu_kernels.matmul_dequantized(*args), "bf16": lambda: torch.mm(af, bf)}
-        if cpu_kernels.fused_gemm():
-            calls["int_mm"] = lambda: _on_int_mm_chunks(*args)
+        calls = {key: (lambda f=f: f(*args)) for key, f in variants.items() if key == "hot" or key in _columns(engine)}
+        calls["bf16"] = lambda: torch.mm(af, bf)
         times = interleaved_seconds(calls, repeats)
         rows.append(
             {"name": name, "m": m, "k": k, "n": n, "layout": [a_layout, b_layout]}
@@ -78,8 +94,9 @@ def main() -> None:
     parser = kernel_bench_parser(__doc__.split("\n\n")[0], repeats=15)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = measure(args.repeats)
     engine = cpu_kernels.fused_gemm()
+    rows = measure(args.repeats, engine)
+    columns = _columns(engine)
     lines = [
         machine_line(machine_info()),
         "",
@@ -87,14 +104,11 @@ def main() -> None:
         + (f"HOT's GEMM on {engine.upper()}" if engine else "torch._int_mm in row chunks")
         + f", medians (fastest) of {args.repeats} interleaved calls, ms",
         "",
-        "| product | M × K × N | hot | " + ("int_mm chunks | " if engine else "") + "bf16 mm | hot / bf16 |",
-        "|---|---|---|" + ("---|" if engine else "") + "---|---|",
+        "| product | M × K × N | hot | " + " | ".join(columns.values()) + " | hot / bf16 |",
+        "|---|---|---|" + "---|" * len(columns) + "---|",
     ]
     for r in rows:
-        cells = [f"{r['hot_ms']:.2f} ({r['hot_min_ms']:.2f})"]
-        if engine:
-            cells.append(f"{r['int_mm_ms']:.2f} ({r['int_mm_min_ms']:.2f})")
-        cells.append(f"{r['bf16_ms']:.2f} ({r['bf16_min_ms']:.2f})")
+        cells = [f"{r[key + '_ms']:.2f} ({r[key + '_min_ms']:.2f})" for key in ("hot", *columns)]
         lines.append(
             f"| {r['name']} | {r['m']} × {r['k']} × {r['n']} | " + " | ".join(cells) + f" | {r['hot_ms'] / r['bf16_ms']:.2f} |"
         )

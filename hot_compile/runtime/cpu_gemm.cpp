@@ -71,43 +71,6 @@ void pack_b(const int8_t* b, int64_t k, int64_t n, int64_t sk, int64_t sn, int64
   }
 }
 
-// dst[i][j] = src[j][i] ^ flip for a 16 × 32 block of bytes (rows `src_stride` and `dst_stride` apart):
-// the 16 × 16 transposes of its two halves, one per 128-bit lane, in four rounds of interleaving pairs
-// of registers: bytes, then pairs, quads and eights of them. Register h·8 + p of a round holds the low
-// (h = 0) or high (h = 1) half of the interleave of the round before's registers 2p and 2p + 1, so
-// after the fourth, register j holds source columns j and 16 + j, rows in order.
-inline void transpose16x32(const int8_t* src, int64_t src_stride, int8_t* dst, int64_t dst_stride, int8_t flip) {
-  const __m256i bits = _mm256_set1_epi8(flip);
-  __m256i x[16], y[16];
-  for (int i = 0; i < 16; ++i) {
-    x[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * src_stride)), bits);
-  }
-  for (int p = 0; p < 8; ++p) {
-    y[p] = _mm256_unpacklo_epi8(x[2 * p], x[2 * p + 1]);
-    y[8 + p] = _mm256_unpackhi_epi8(x[2 * p], x[2 * p + 1]);
-  }
-  for (int g = 0; g < 2; ++g) {
-    for (int p = 0; p < 4; ++p) {
-      x[8 * g + p] = _mm256_unpacklo_epi16(y[8 * g + 2 * p], y[8 * g + 2 * p + 1]);
-      x[8 * g + 4 + p] = _mm256_unpackhi_epi16(y[8 * g + 2 * p], y[8 * g + 2 * p + 1]);
-    }
-  }
-  for (int g = 0; g < 4; ++g) {
-    for (int p = 0; p < 2; ++p) {
-      y[4 * g + p] = _mm256_unpacklo_epi32(x[4 * g + 2 * p], x[4 * g + 2 * p + 1]);
-      y[4 * g + 2 + p] = _mm256_unpackhi_epi32(x[4 * g + 2 * p], x[4 * g + 2 * p + 1]);
-    }
-  }
-  for (int g = 0; g < 8; ++g) {
-    x[2 * g] = _mm256_unpacklo_epi64(y[2 * g], y[2 * g + 1]);
-    x[2 * g + 1] = _mm256_unpackhi_epi64(y[2 * g], y[2 * g + 1]);
-  }
-  for (int j = 0; j < 16; ++j) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j * dst_stride), _mm256_castsi256_si128(x[j]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (16 + j) * dst_stride), _mm256_extracti128_si256(x[j], 1));
-  }
-}
-
 // `count` rows of A from `first` (strides sm, sk), zero-padded to kp columns and to a whole `tile` rows;
 // with `offset`, each value as the uint8 a + 128: its sign bit flipped, which adds 128 modulo 256 (B is
 // zero along the padding, whatever A holds there).

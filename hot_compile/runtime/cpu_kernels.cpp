@@ -177,15 +177,32 @@ inline bool sylvester_rows(const float* basis, int64_t rank, int64_t* rows) {
   return true;
 }
 
+// codes[i][c] for i < count, c < cols into q[i · q_row + c · q_col]: 16 rows of 64 by byte transposes
+// where q_row is 1, since its columns are then 16 contiguous bytes.
+inline void store_columns(const int8_t (*codes)[TILE], int64_t count, int64_t cols, int8_t* q, int64_t q_row, int64_t q_col) {
+#if defined(__AVX2__)
+  if (count == BLOCK && cols == TILE && q_row == 1) {
+    transpose16x32(codes[0], TILE, q, q_col, 0);
+    transpose16x32(codes[0] + 32, TILE, q + 32 * q_col, q_col, 0);
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t i = 0; i < count; ++i) q[i * q_row + c * q_col] = codes[i][c];
+  }
+}
+
 // Column transforms (along dim 0): whole blocks by `basis`, the rows after them zero-padded to 16 by
 // `tail` (when given), `out_rows` rows in all. Where every row of `basis` is a row of the Hadamard matrix
 // (HQ's weight, the Walsh rows of HLA and ABC), whole blocks take the butterflies. stats: per-column max|y| and, when
 // `abs_sum` is given, Σ|y| and Σy² of the result;
-// quantize: q = level(y / scale[c]) into [out_rows, k].
+// quantize: q = level(y / scale[c]) into [out_rows, k] (strides q_row, q_col: row-major, or column-major for
+// a product that reads q transposed, HLA's q(P g)ᵀ).
 template <typename T>
 void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride, const float* basis,
                const float* tail, int64_t rank, int64_t out_rows, float* amax, float* abs_sum, float* sq_sum,
-               const float* scale, int64_t scale_stride, float qmax, bool stochastic, uint32_t offset, int8_t* q) {
+               const float* scale, int64_t scale_stride, float qmax, bool stochastic, uint32_t offset, int8_t* q,
+               int64_t q_row, int64_t q_col) {
   const int64_t whole = n / BLOCK;
   const int64_t blocks = tail != nullptr && n % BLOCK ? whole + 1 : whole;
   const int64_t tiles = (k + TILE - 1) / TILE;
@@ -204,6 +221,8 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
     for (size_t c = 0; c < inverse.size(); ++c) inverse[c] = 1.0f / scale[c * scale_stride];
     alignas(64) float xb[BLOCK][TILE];
     alignas(64) float yb[BLOCK][TILE];
+    // A tile's codes where q is column-major, written out a column of the tile at a time.
+    alignas(64) int8_t codes[BLOCK][TILE];
 #pragma omp for schedule(static) collapse(2)
     for (int64_t b = 0; b < blocks; ++b) {
       for (int64_t t = 0; t < tiles; ++t) {
@@ -234,9 +253,10 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
             }
           } else {
             quantize_span<true>(stochastic, result[i], inverse.data() + c0, cols, qmax, uint32_t(out_row * k + c0), offset,
-                                q + out_row * k + c0);
+                                q_col == 1 ? q + out_row * q_row + c0 : codes[i]);
           }
         }
+        if (!stats && q_col != 1) store_columns(codes, count, cols, q + b * rank * q_row + c0 * q_col, q_row, q_col);
       }
     }
     if (stats) {
@@ -306,16 +326,17 @@ void hot_cols_stats(const void* x, int64_t dtype, int64_t n, int64_t k, int64_t 
                     float* abs_sum, float* sq_sum) {
   by_dtype(dtype, x, [&](auto* t) {
     cols_pass(t, n, k, row_stride, col_stride, basis, tail, rank, out_rows, amax, abs_sum, sq_sum, nullptr, 0,
-              0.0f, false, 0u, nullptr);
+              0.0f, false, 0u, nullptr, 0, 1);
   });
 }
 
 void hot_cols_quantize(const void* x, int64_t dtype, int64_t n, int64_t k, int64_t row_stride, int64_t col_stride,
                        const float* basis, const float* tail, int64_t rank, int64_t out_rows, const float* scale,
-                       int64_t scale_stride, int64_t qmax, int64_t stochastic, uint32_t offset, int8_t* q) {
+                       int64_t scale_stride, int64_t qmax, int64_t stochastic, uint32_t offset, int8_t* q,
+                       int64_t q_row, int64_t q_col) {
   by_dtype(dtype, x, [&](auto* t) {
     cols_pass(t, n, k, row_stride, col_stride, basis, tail, rank, out_rows, nullptr, nullptr, nullptr, scale,
-              scale_stride, float(qmax), stochastic != 0, offset, q);
+              scale_stride, float(qmax), stochastic != 0, offset, q, q_row, q_col);
   });
 }
 

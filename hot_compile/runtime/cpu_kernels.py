@@ -57,7 +57,7 @@ _P, _I, _F, _U = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint3
 _SIGNATURES = {
     "hot_rows_quantize": (_P, _I, _I, _I, _I, _I, _I, _I, _I, _I, _U, _P, _I, _P, _P, _P),
     "hot_cols_stats": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _P, _P),
-    "hot_cols_quantize": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I, _U, _P),
+    "hot_cols_quantize": (_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _I, _U, _P, _I, _I),
     "hot_dequantize": (_P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I),
     "hot_rows_encode": (_P, _I, _P, _P, _P, _I, _I, _P, _P),
     "hot_derivative_encode": (_P, _I, _I, _I, _I, _U, _P, _P, _P),
@@ -230,8 +230,11 @@ def quantize_columns(
     *,
     stochastic: bool,
     offset: int = 0,
+    column_major: bool = False,
 ) -> torch.Tensor:
-    """``x: [n, k]`` (any strides) transformed along its rows and quantized: int8 ``[out_rows, k]``.
+    """``x: [n, k]`` (any strides) transformed along its rows and quantized: int8 ``[out_rows, k]``, stored
+    column-major where ``column_major`` (for a product that reads it transposed: HLA's ``q(P g)ᵀ``, which
+    HOT's GEMM then packs without transposing it).
 
     Whole blocks of 16 rows give ``basis @ block`` (``basis``: float32 ``[r, 16]``; by butterflies when
     its rows are rows of the Hadamard matrix); the ``n mod 16``
@@ -241,14 +244,21 @@ def quantize_columns(
     nearest."""
     lib, code = _library(), _dtype_code(x)
     n, k = x.shape
-    q = torch.empty(out_rows, k, dtype=torch.int8)
+    q = torch.empty(k, out_rows, dtype=torch.int8).t() if column_major else torch.empty(out_rows, k, dtype=torch.int8)
     scale_ptr, scale_stride = _scale_arg(scale)
     lib.hot_cols_quantize(
         x.data_ptr(), code, n, k, x.stride(0), x.stride(1), basis.data_ptr(), _ptr(tail),
         basis.shape[0], out_rows, scale_ptr, scale_stride,
-        qmax(bits), int(stochastic), offset, q.data_ptr(),
+        qmax(bits), int(stochastic), offset, q.data_ptr(), q.stride(0), q.stride(1),
     )  # fmt: skip
     return q
+
+
+# HOT's VNNI GEMM packs B (K × N) at each call and saves the int32 product's round trip (M × N,
+# written then read). oneDNN's gemm behind torch._int_mm packs B faster, so where the product is short
+# and the contraction long (HLA's [384, 4096] × [4096, 1536] in MiniLM: 1.15× its time on Zen 4) it
+# wins. The fused GEMM runs where K ≤ 4·M, which the bench models' products split as measured.
+VNNI_CONTRACTION_PER_ROW = 4
 
 
 @functools.cache
@@ -285,7 +295,7 @@ def matmul_dequantized(
     col_ptr, col_stride = _scale_arg(col_scale)
     bias = None if bias is None else bias.to(torch.float32).contiguous()
     engine = fused_gemm()
-    if engine:
+    if engine == "amx" or (engine == "vnni" and a.shape[1] <= VNNI_CONTRACTION_PER_ROW * m):
         if m and n:
             lib.hot_matmul_dequantize(
                 a.data_ptr(), m, a.shape[1], a.stride(0), a.stride(1), b.data_ptr(), n, b.stride(0), b.stride(1),
