@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hot_compile.passes.attention_precision import FLASH_CPU_BACKWARD
-from hot_compile.runtime import attention_ops, cpu_kernels
+from hot_compile.runtime import attention_ops
 from tests import tolerances as tol
 from tests import tool_scripts
 
@@ -29,8 +29,17 @@ def _operands(query_shape, key_shape, value_dim, gen):
         ((1, 4, 300, 32), (1, 4, 300, 32), 32, 4 * 300 * 300 * 3),  # three heads of one entry a chunk
     ],
 )
-def test_products_backward_against_float64(query_shape, key_shape, value_dim, chunk_bytes, monkeypatch):
+@pytest.mark.parametrize("scores", ["fused", "stored"])
+def test_products_backward_against_float64(query_shape, key_shape, value_dim, chunk_bytes, scores, monkeypatch):
+    """Both ways of the score products: fused with the elementwise pass on AVX512-BF16, and stored in
+    float32 from upcast operands."""
     monkeypatch.setattr(attention_ops, "CHUNK_BYTES", chunk_bytes)
+    if scores == "stored":
+        monkeypatch.setattr(attention_ops, "bf16_attention_scores", lambda: False)
+    elif not attention_ops.bf16_attention_scores():
+        pytest.skip("the fused score products need AVX512-BF16")
+    else:
+        monkeypatch.setattr(attention_ops, "attention_probabilities", _not_called)
     grad, q, k, v, out, lse = _operands(query_shape, key_shape, value_dim, torch.Generator().manual_seed(0))
     scale = query_shape[-1] ** -0.5
     grads = attention_ops.attention_backward(grad, q, k, v, out, lse, scale)
@@ -40,6 +49,42 @@ def test_products_backward_against_float64(query_shape, key_shape, value_dim, ch
         assert got.dtype == torch.bfloat16 and got.shape == want.shape and got.stride() == fused.stride()
         error = ((got.double() - want).norm() / want.norm()).item()
         assert error <= tol.ATTENTION_PRODUCTS, error
+
+
+def _not_called(*args):
+    raise AssertionError("the stored score products ran where the fused ones should")
+
+
+def test_fused_scores_against_float64():
+    """``P`` and ``dS`` from the pair products against float64: ``P`` within one bf16 rounding, the float32
+    exponential's error and the float32 sum's bound on its exponent (``scale·Q·Kᵀ``); ``dS`` within one
+    bf16 rounding plus ``P·scale`` times the float32 sum's bound on ``dO·Vᵀ`` (``dS`` is a difference of
+    nearly equal terms). Tiles of 12 rows and 32 columns left partial; q and k in the flash kernels'
+    layout, dO contiguous."""
+    if not attention_ops.bf16_attention_scores():
+        pytest.skip("the fused score products need AVX512-BF16")
+    gen = torch.Generator().manual_seed(3)
+    b, h, l, s, e = 2, 3, 37, 45, 64
+    q, k, v = (torch.randn(b, n, h, e, generator=gen).bfloat16().transpose(1, 2) for n in (l, s, s))
+    g = torch.randn(b, h, l, e, generator=gen).bfloat16()
+    delta, scale = torch.randn(b, h, l, generator=gen), e**-0.5
+    scores = scale * q.double() @ k.double().transpose(-1, -2)
+    lse = torch.logsumexp(scores, -1).float()
+    p, ds = attention_ops.attention_scores(q, k, g, v, lse, delta, scale)
+    exact_p = (scores - lse.double()[..., None]).exp().flatten(0, 1)
+    product_sum = (g.double() @ v.double().transpose(-1, -2)).flatten(0, 1)
+    difference = product_sum - delta.double().flatten(0, 1)[..., None]
+    exact_ds = exact_p * scale * difference
+    def sum_bound(x, y):
+        return e * tol.FLOAT32_SUM_PER_TERM * (x.double().abs() @ y.double().abs().transpose(-1, -2)).flatten(0, 1)
+
+    exponent_bound = scale * sum_bound(q, k)
+    assert p.dtype == ds.dtype == torch.bfloat16 and p.shape == (b * h, l, s)
+    p_bound = (tol.BF16_ROUNDING + (1 + tol.BF16_ROUNDING) * (tol.FLOAT32_EXP + 2 * exponent_bound)) * exact_p
+    assert ((p.double() - exact_p).abs() <= p_bound).all()
+    float32_ds = p_bound * scale * difference.abs() + exact_p * scale * sum_bound(g, v)
+    ds_bound = tol.BF16_ROUNDING * exact_ds.abs() + (1 + tol.BF16_ROUNDING) * float32_ds
+    assert ((ds.double() - exact_ds).abs() <= ds_bound).all()
 
 
 def test_products_backward_fake_matches_its_kernel():
@@ -52,7 +97,7 @@ def test_probabilities_and_score_grad_against_float64(dtype):
     gen = torch.Generator().manual_seed(0)
     shifted = -8 * torch.rand(1000, generator=gen)  # log-probabilities within float16's normal range; 1000: a partial last vector
     score_grad = torch.randn(1000, generator=gen)
-    p, ds = cpu_kernels.attention_probabilities(shifted, score_grad, dtype)
+    p, ds = attention_ops.attention_probabilities(shifted, score_grad, dtype)
     exact = shifted.double().exp()
     bound = tol.FLOAT32_EXP if dtype == torch.float32 else tol.BF16_ROUNDING
     assert p.dtype == ds.dtype == dtype
@@ -62,7 +107,7 @@ def test_probabilities_and_score_grad_against_float64(dtype):
 
 
 def test_probabilities_clamp_below_the_normal_range():
-    p, _ = cpu_kernels.attention_probabilities(torch.tensor([-1000.0, -87.0, float("-inf")]), torch.ones(3), torch.float32)
+    p, _ = attention_ops.attention_probabilities(torch.tensor([-1000.0, -87.0, float("-inf")]), torch.ones(3), torch.float32)
     assert torch.equal(p, torch.full((3,), torch.tensor(-87.0).exp().item()))
 
 

@@ -52,6 +52,9 @@ BF16_ROUNDING = 2**-8
 ATTENTION_PRODUCTS = 2 * BF16_ROUNDING
 # A float32 exponential (Cephes' expf polynomial) against float64: a few units in the last place.
 FLOAT32_EXP = 4 * 2**-24
+# A float32 sum of n exact products: within n units of float32's rounding times the sum of their
+# magnitudes (the standard bound, n·u·Σ|aᵢbᵢ|, to first order).
+FLOAT32_SUM_PER_TERM = 2**-24
 
 # End-to-end: every parameter gradient of a compiled model (the defaults) vs eager fp64, per-parameter
 # relative error. A parameter's gradient carries the error of its own grad_weight product and of

@@ -66,7 +66,7 @@ def _on(library, call):
 
 
 def measure(repeats: int, against) -> list[dict]:
-    libraries = {"this": cpu_kernels._library()} | ({"against": against} if against is not None else {})
+    libraries = {"this": cpu_kernels.library()} | ({"against": against} if against is not None else {})
     rows = []
     for name, m, n in SHAPES:
         for dtype in (torch.bfloat16, torch.float32):

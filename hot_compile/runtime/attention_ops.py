@@ -8,18 +8,24 @@ batched products and one elementwise pass. For
 
     dV = Pᵀ dO,   dS = scale · P ∘ (dO Vᵀ − Δ),   dQ = dS K,   dK = dSᵀ Q.
 
-``QKᵀ`` and ``dO Vᵀ`` are float32 products of the upcast operands: ``P`` is an exponential of the
-scores, and ``dS`` a difference of nearly equal terms, so neither may start from bf16 roundings.
+``QKᵀ`` and ``dO Vᵀ`` are float32 sums of the operands' exact products: ``P`` is an exponential of the
+scores, and ``dS`` a difference of nearly equal terms, so neither may start from bf16 roundings. Where
+the CPU has AVX512-BF16 they run on its pair products, a tile of scores at a time, fused with the
+elementwise pass (:func:`attention_scores`): no float32 score is
+stored, and no operand upcast. Elsewhere (float16, or without AVX512-BF16) they are float32 products
+of the upcast operands, stored, then the elementwise pass.
 ``P`` and ``dS`` are rounded to the inputs' dtype where they enter the last three products, as the
 bf16 flash kernel rounds them; each gradient is one rounding of a float32 sum. Against float64, the
 gradients of ViT-S's and MiniLM's heads come out at 0.0024 relative error, between the float32
 kernel's 0.0017 and the bf16 kernel's 0.0031–0.0033 (``tools/attention_bench.py``).
 
-CPU only (its elementwise pass is :func:`~hot_compile.runtime.cpu_kernels.attention_probabilities`).
+CPU only (its elementwise pass is :func:`attention_probabilities`).
 No mask, no dropout, no causal mask: the graph pass keeps the fused kernel for those.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -31,11 +37,69 @@ from . import cpu_kernels
 CHUNK_BYTES = 2 << 20
 
 
+def attention_probabilities(shifted: torch.Tensor, score_grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``P = exp(shifted)`` and ``P · score_grad`` in ``dtype``, each rounded once from float32:
+    :func:`~hot_compile.runtime.attention_ops.attention_backward`'s one elementwise pass. ``shifted`` and
+    ``score_grad``: float32 of one shape (made contiguous); ``exp`` within 2 ulp of float32's, and
+    ``e⁻⁸⁷`` for arguments below −87."""
+    shifted, score_grad = shifted.contiguous(), score_grad.contiguous()
+    p, ds = torch.empty(shifted.shape, dtype=dtype), torch.empty(shifted.shape, dtype=dtype)
+    cpu_kernels.library().hot_attention_probabilities(shifted.data_ptr(), score_grad.data_ptr(), shifted.numel(), cpu_kernels.dtype_code(p), p.data_ptr(), ds.data_ptr())
+    return p, ds
+
+
+@functools.cache
+def bf16_attention_scores() -> bool:
+    """Whether :func:`attention_scores` runs here: the library has it (AVX-512) and the CPU has
+    AVX512-BF16's pair products, which it calls."""
+    return bool(cpu_kernels.library().hot_attention_scores_compiled()) and torch.cpu._is_avx512_bf16_supported()
+
+
+def attention_scores(
+    query: torch.Tensor, key: torch.Tensor, grad_out: torch.Tensor, value: torch.Tensor,
+    logsumexp: torch.Tensor, delta: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``P = exp(scale·QKᵀ − lse)`` and ``dS = P ∘ scale·(dO Vᵀ − Δ)`` in bf16, ``[B·H, L, S]``, with the
+    score products summed in float32 in registers and never stored (where :func:`bf16_attention_scores`):
+    :func:`attention_probabilities` of the float32 products, fused. ``query``, ``grad_out``: bf16
+    ``[B, H, L, E]``, ``key``, ``value``: ``[B, H, S, E]`` (any strides with ``E`` contiguous, ``E``
+    even); ``logsumexp``, ``delta``: float32 ``[B, H, L]``."""
+    b, h, l, e = query.shape
+    s = key.shape[2]
+    operands = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, grad_out, value)]
+    strides = torch.tensor([stride for t in operands for stride in t.stride()[:3]], dtype=torch.int64)
+    lse, delta = logsumexp.reshape(b * h, l).contiguous(), delta.reshape(b * h, l).contiguous()
+    p, ds = (torch.empty(b * h, l, s, dtype=torch.bfloat16) for _ in range(2))
+    cpu_kernels.library().hot_attention_scores(
+        *(t.data_ptr() for t in operands), b, h, l, s, e, strides.data_ptr(),
+        lse.data_ptr(), delta.data_ptr(), scale, p.data_ptr(), ds.data_ptr(),
+    )  # fmt: skip
+    return p, ds
+
+
 def _gradient_layout(like: Tensor) -> Tensor:
     """An empty ``[B, H, L, E]`` gradient laid out as the flash kernels return theirs: ``[B, L, H, E]``
     in memory, so that the backward's transposes back to the projections' layout are views."""
     b, h, l, e = like.shape
     return like.new_empty(b, l, h, e).transpose(1, 2)
+
+
+def _fused_scores(query: Tensor, value: Tensor) -> bool:
+    """Whether the score products run fused with the elementwise pass, on AVX512-BF16's pair products
+    (:func:`attention_scores`): bf16 operands, one even head size."""
+    even = query.shape[-1] % 2 == 0 and value.shape[-1] == query.shape[-1]
+    return query.dtype == torch.bfloat16 and even and bf16_attention_scores()
+
+
+def _scores(q: Tensor, k: Tensor, g: Tensor, v: Tensor, lse: Tensor, delta: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``P`` and ``dS`` of a chunk (``[B, H, ·, E]``, as ``[B·H, L, S]``) in the operands' dtype, from float32
+    products of the upcast operands, then the elementwise pass."""
+    dtype = q.dtype
+    q, k, g, v = (t.flatten(0, 1).float() for t in (q, k, g, v))
+    lse, delta = (t.flatten(0, 1).unsqueeze(-1) for t in (lse, delta))
+    shifted = torch.baddbmm(lse, q, k.transpose(1, 2), beta=-1, alpha=scale)
+    score_grad = torch.baddbmm(delta, g, v.transpose(1, 2), beta=-scale, alpha=scale)
+    return attention_probabilities(shifted, score_grad, dtype)
 
 
 @torch.library.custom_op("hot_compile::attention_backward", mutates_args=(), device_types="cpu")
@@ -50,16 +114,17 @@ def attention_backward(
     heads = max(1, CHUNK_BYTES // (4 * l * s))
     batch_step, head_step = (max(1, heads // h), h) if heads >= h else (1, heads)
     grads = [_gradient_layout(t) for t in (query, key, value)]
+    fused = _fused_scores(query, value)
     for b0 in range(0, b, batch_step):
         for h0 in range(0, h, head_step):
             chunk = (slice(b0, b0 + batch_step), slice(h0, h0 + head_step))
-            g, q, k, v, o = (t[chunk].flatten(0, 1) for t in (grad_out, query, key, value, out))
-            g32 = g.float()
-            delta = (g32 * o.float()).sum(-1, keepdim=True)
-            lse = logsumexp[chunk].flatten(0, 1).unsqueeze(-1)
-            shifted = torch.baddbmm(lse, q.float(), k.float().transpose(1, 2), beta=-1, alpha=scale)
-            score_grad = torch.baddbmm(delta, g32, v.float().transpose(1, 2), beta=-scale, alpha=scale)
-            probabilities, score_grad = cpu_kernels.attention_probabilities(shifted, score_grad, query.dtype)
+            g, q, k, v, o = (t[chunk] for t in (grad_out, query, key, value, out))
+            delta, lse = (g.float() * o.float()).sum(-1), logsumexp[chunk]
+            if fused:
+                probabilities, score_grad = attention_scores(q, k, g, v, lse, delta, scale)
+            else:
+                probabilities, score_grad = _scores(q, k, g, v, lse, delta, scale)
+            g, q, k = (t.flatten(0, 1) for t in (g, q, k))
             chunk_grads = (
                 torch.bmm(score_grad, k),
                 torch.bmm(score_grad.transpose(1, 2), q),

@@ -63,10 +63,12 @@ _SIGNATURES = {
     "hot_derivative_encode": (_P, _I, _I, _I, _I, _U, _P, _P, _P),
     "hot_derivative_values": (_P, _I, _I, _I, _P),
     "hot_attention_probabilities": (_P, _P, _I, _I, _P, _P),
+    "hot_attention_scores_compiled": (),
+    "hot_attention_scores": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _F, _P, _P),
     "hot_gemm_engines": (),
     "hot_matmul_dequantize": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I, _I),
 }
-_RESULTS = {"hot_gemm_engines": ctypes.c_int64}
+_RESULTS = {"hot_gemm_engines": ctypes.c_int64, "hot_attention_scores_compiled": ctypes.c_int64}
 # The engines of cpu_gemm.cpp, as it numbers them.
 _GEMM_ENGINES = {"vnni": 1, "amx": 2}
 
@@ -125,7 +127,7 @@ def _load() -> ctypes.CDLL:
 
 def build() -> pathlib.Path:
     """Build the library now, if this machine has no build of it yet; returns where it is kept."""
-    _library()
+    library()
     return library_path()
 
 
@@ -139,7 +141,7 @@ def prepare() -> None:
             _build = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hot-cpu-kernels").submit(_load)
 
 
-def _library() -> ctypes.CDLL:
+def library() -> ctypes.CDLL:
     global build_seconds
     prepare()
     if _build.done():
@@ -150,7 +152,7 @@ def _library() -> ctypes.CDLL:
     return library
 
 
-def _dtype_code(t: torch.Tensor) -> int:
+def dtype_code(t: torch.Tensor) -> int:
     try:
         return _DTYPES[t.dtype]
     except KeyError:
@@ -177,7 +179,7 @@ def quantize_rows(
     """``x: [L, n]`` (any strides) zero-padded to ``width`` columns, each block of 16 columns times the
     Hadamard matrix when ``hadamard``, quantized with one scale per row (``[L, 1]``) or per tensor
     (0-d): int8 ``[L, width]``. Noise index: the flat index in ``[L, width]``."""
-    lib, code, qm = _library(), _dtype_code(x), qmax(bits)
+    lib, code, qm = library(), dtype_code(x), qmax(bits)
     rows, n = x.shape
     q = torch.empty(rows, width, dtype=torch.int8)
     args = (x.data_ptr(), code, rows, n, x.stride(0), x.stride(1), width, int(hadamard), qm, int(stochastic), offset)
@@ -209,7 +211,7 @@ def column_moments(
 
 
 def _column_statistics(x, basis, tail, out_rows, *, moments):
-    lib, code = _library(), _dtype_code(x)
+    lib, code = library(), dtype_code(x)
     n, k = x.shape
     amax = torch.empty(k)
     abs_sum, sq_sum = (torch.empty(k), torch.empty(k)) if moments else (None, None)
@@ -242,7 +244,7 @@ def quantize_columns(
     ``out_rows`` rows of the result are kept. ``scale`` (float32, ``[k]`` or one value) divides each
     column before rounding, stochastically (noise index: the flat index in ``[out_rows, k]``) or to
     nearest."""
-    lib, code = _library(), _dtype_code(x)
+    lib, code = library(), dtype_code(x)
     n, k = x.shape
     q = torch.empty(k, out_rows, dtype=torch.int8).t() if column_major else torch.empty(out_rows, k, dtype=torch.int8)
     scale_ptr, scale_stride = _scale_arg(scale)
@@ -266,7 +268,7 @@ def fused_gemm() -> str:
     """The engine of HOT's own integer GEMM (``cpu_gemm.cpp``) that :func:`matmul_dequantized` runs:
     ``"amx"`` where the library was built with AMX and the OS lets this process use it, else
     ``"vnni"`` where it was built with AVX512-VNNI, else ``""``: ``matmul`` in row chunks."""
-    engines = _library().hot_gemm_engines()
+    engines = library().hot_gemm_engines()
     if engines & _GEMM_ENGINES["amx"] and torch.cpu._init_amx():
         return "amx"
     return "vnni" if engines & _GEMM_ENGINES["vnni"] else ""
@@ -287,10 +289,10 @@ def matmul_dequantized(
     (:func:`hot_compile.runtime.int8_gemm.int8_matmul`; where :func:`fused_gemm`, HOT's own GEMM computes
     the same exact sums instead and ``matmul`` is not called), ``row_scale`` ``[M]``-sized or one value,
     ``col_scale`` ``[N]``-sized or one value (float32, contiguous), ``bias`` ``[N]`` of any float dtype."""
-    lib = _library()
+    lib = library()
     m, n = a.shape[0], b.shape[1]
     out = torch.empty(m, n, dtype=out_dtype)
-    code = _dtype_code(out)
+    code = dtype_code(out)
     row_ptr, row_stride = _scale_arg(row_scale)
     col_ptr, col_stride = _scale_arg(col_scale)
     bias = None if bias is None else bias.to(torch.float32).contiguous()
@@ -346,7 +348,7 @@ def _row_groups(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int
 def encode_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`hot_compile.runtime.aten_impl.encode_rows`: ``x: [..., C]`` as int8 levels ``[..., C]``
     (round half to even) of one float32 scale a row, ``max|row| / qmax`` (``[..., 1]``)."""
-    lib, code = _library(), _dtype_code(x)
+    lib, code = library(), dtype_code(x)
     x, dims = _row_groups(x)
     cols = x.shape[-1] if x.dim() else 1
     q = torch.empty(x.shape, dtype=torch.int8)
@@ -361,7 +363,7 @@ def derivative(x: torch.Tensor, function: str) -> torch.Tensor:
     """The derivative ``function`` (an :data:`~hot_compile.runtime.aten_impl.DERIVATIVES` name) of
     ``x``, in float32, as :func:`encode_derivative` evaluates it before coding it."""
     derivative_of(function)
-    lib, code = _library(), _dtype_code(x)
+    lib, code = library(), dtype_code(x)
     x = x.contiguous()
     out = torch.empty(x.shape)
     lib.hot_derivative_values(x.data_ptr(), code, _DERIVATIVES[function], x.numel(), out.data_ptr())
@@ -377,7 +379,7 @@ def encode_derivative(
     :func:`~hot_compile.runtime.quant.noise_offset`. A derivative is computed a row at a time
     (:func:`derivative`), in float32, within 3·10⁻⁷ of the exact one."""
     check_derivative(bits, function)
-    lib, code = _library(), _dtype_code(x)
+    lib, code = library(), dtype_code(x)
     x, rows, cols = _rows_of(x)
     if cols % 2:
         raise ValueError(f"the derivative code packs two values a byte along the last dimension, of odd size {cols}")
@@ -386,14 +388,3 @@ def encode_derivative(
     if x.numel():
         lib.hot_derivative_encode(x.data_ptr(), code, _DERIVATIVES[function], rows, cols, offset, packed.data_ptr(), lo.data_ptr(), step.data_ptr())
     return packed, lo, step
-
-
-def attention_probabilities(shifted: torch.Tensor, score_grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``P = exp(shifted)`` and ``P · score_grad`` in ``dtype``, each rounded once from float32:
-    :func:`~hot_compile.runtime.attention_ops.attention_backward`'s one elementwise pass. ``shifted`` and
-    ``score_grad``: float32 of one shape (made contiguous); ``exp`` within 2 ulp of float32's, and
-    ``e⁻⁸⁷`` for arguments below −87."""
-    shifted, score_grad = shifted.contiguous(), score_grad.contiguous()
-    p, ds = torch.empty(shifted.shape, dtype=dtype), torch.empty(shifted.shape, dtype=dtype)
-    _library().hot_attention_probabilities(shifted.data_ptr(), score_grad.data_ptr(), shifted.numel(), _dtype_code(p), p.data_ptr(), ds.data_ptr())
-    return p, ds
