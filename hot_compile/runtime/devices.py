@@ -178,7 +178,10 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             kernel_overhead=6e-6,
             op_overhead=1e-4,  # fitted on training steps of small layers (device_calibration.OVERHEAD_LAYERS)
             fp32_attention_backward=True,  # bf16 1.3-1.8x slower at ViT-S's and MiniLM's attention shapes
-            attention_backward_products=True,  # 0.71-0.91x the float32 kernel's time at ViT-S's and MiniLM's heads
+            attention_backward_products=True,  # 0.70-0.94x the float32 kernel's time at ViT-S's and MiniLM's heads
+            # int8_fused_epilogue stays off although HOT's VNNI GEMM fuses it here (cpu_kernels.fused_gemm):
+            # priced so, the products would look cheaper and the tasks' decisions would change (MiniLM's
+            # most of all), which their fidelity runs have not covered; the estimates stay pessimistic.
         ),
         DeviceProfile(
             name="cpu-avx2-2core",  # AMD EPYC, AVX2 only: INT4 products on oneDNN's u8s8 GEMM, INT8 on fp32
