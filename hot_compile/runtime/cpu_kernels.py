@@ -259,7 +259,7 @@ def quantize_columns(
 # HOT's VNNI GEMM packs B (K × N) at each call and saves the int32 product's round trip (M × N,
 # written then read). oneDNN's gemm behind torch._int_mm packs B faster, so where the product is short
 # and the contraction long (HLA's [384, 4096] × [4096, 1536] in MiniLM: 1.15× its time on Zen 4) it
-# wins. The fused GEMM runs where K ≤ 4·M, which the bench models' products split as measured.
+# wins. The fused GEMM runs where K ≤ 4·M; the bench models' other products near that line tie.
 VNNI_CONTRACTION_PER_ROW = 4
 
 
