@@ -184,7 +184,8 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     if fused_epilogue:
         # The GEMM HOT's CPU ops run there, on a contraction long enough that its output write is noise.
         a, b, ones = q8.repeat(1, 4), q8.repeat(4, 1), torch.ones(size)
-        seconds = median_seconds(lambda: cpu_kernels.matmul_dequantized(a, b, ones, ones, 1.0, torch.float32, None), repeats)
+        # int8_matmul is the path's own product wherever the dispatch leaves a shape to it.
+        seconds = median_seconds(lambda: cpu_kernels.matmul_dequantized(a, b, ones, ones, 1.0, torch.float32, int8_matmul), repeats)
         int8_ops = 8 * size**3 / seconds
     else:
         int8_ops = 2 * size**3 / median_seconds(lambda: int8_matmul(q8, q8, 127, 127), repeats)

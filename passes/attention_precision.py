@@ -113,8 +113,10 @@ def replace_attention_backward(graph: fx.Graph, site: AttentionSite, stand_ins: 
 
 # B·H·L·S·E of an attention below which its fused kernel stays the faster: the products op's dozen
 # calls per chunk are a fixed cost. Zen 4, the products' time over the float32 kernel's
-# (tools/attention_bench.py): one thread 1.46 at 1·10⁶, 1.22 at 4·10⁶, 0.97 at 1.7·10⁷, 0.71-0.91 from
-# 1.2·10⁸; two threads 1.76, 0.98, 0.73, then 0.83-0.89.
+# (tools/attention_bench.py, score products fused): one thread 1.61 at 1·10⁶, 1.10 at 4·10⁶, 0.82 at
+# 1.7·10⁷, 0.70-0.78 from 1.2·10⁸; two threads 1.97, 0.80, 0.66, then 0.70-0.94. Set where a whole
+# bf16 step of the ViT task (1·10⁶) ran 5% slower with the products, before they were fused; no
+# whole step was measured between 4·10⁶ and 2²⁶.
 MIN_PRODUCTS_WORK = 1 << 26
 
 
