@@ -59,12 +59,12 @@ def test_fused_scores_against_float64():
     """``P`` and ``dS`` from the pair products against float64: ``P`` within one bf16 rounding, the float32
     exponential's error and the float32 sum's bound on its exponent (``scale·Q·Kᵀ``); ``dS`` within one
     bf16 rounding plus ``P·scale`` times the float32 sum's bound on ``dO·Vᵀ`` (``dS`` is a difference of
-    nearly equal terms). Tiles of 12 rows and 32 columns left partial; q and k in the flash kernels'
-    layout, dO contiguous."""
+    nearly equal terms). Tiles of 12 rows and 32 columns left partial (a last tile of one row, and of
+    a whole vector and a part of one); q and k in the flash kernels' layout, dO contiguous."""
     if not attention_ops.bf16_attention_scores():
         pytest.skip("the fused score products need AVX512-BF16")
     gen = torch.Generator().manual_seed(3)
-    b, h, l, s, e = 2, 3, 37, 45, 64
+    b, h, l, s, e = 2, 3, 37, 53, 64
     q, k, v = (torch.randn(b, n, h, e, generator=gen).bfloat16().transpose(1, 2) for n in (l, s, s))
     g = torch.randn(b, h, l, e, generator=gen).bfloat16()
     delta, scale = torch.randn(b, h, l, generator=gen), e**-0.5
@@ -118,3 +118,13 @@ def test_attention_bench_times_and_checks_the_three_ways(monkeypatch):
     assert row["work"] == 2 * 2 * 24 * 24 * 16
     assert all(row[f"{way} ms"] > 0 for way in ("bf16 kernel", "float32 kernel", "products"))
     assert row["products error"] <= tol.ATTENTION_PRODUCTS and row["float32 kernel error"] <= row["bf16 kernel error"] + tol.BF16_ROUNDING
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_probabilities_keep_nan(dtype):
+    """A NaN score stays NaN in ``P`` and ``dS``, in whole vectors and in a partial last one."""
+    shifted = torch.zeros(40)
+    shifted[[3, 37]] = float("nan")
+    p, ds = attention_ops.attention_probabilities(shifted, torch.ones(40), dtype)
+    for out in (p, ds):
+        assert out.isnan().nonzero().flatten().tolist() == [3, 37]

@@ -1,5 +1,8 @@
-"""``tools/int8_gemm_bench.py`` on a tiny product: every column it reports is measured, and its
-``hot`` column is the GEMM HOT's ops run."""
+"""The kernel tools on tiny operands: ``tools/int8_gemm_bench.py`` measures every column it reports, its
+``hot`` column the GEMM HOT's ops run; ``tools/quantizer_bench.py`` runs each kernel on this tree's
+library and on the one it is set against."""
+
+import torch
 
 from hot_compile.runtime import cpu_kernels
 from tests import tool_scripts
@@ -14,3 +17,19 @@ def test_int8_gemm_bench_measures_each_column(monkeypatch):
     assert measured == {"hot", *bench._columns(engine)}
     assert all(row[f"{key}_ms"] > 0 for key in measured)
     assert ("own" in measured) == (engine == "vnni") and ("int_mm" in measured) == bool(engine)
+
+
+def test_quantizer_bench_runs_each_kernel_on_both_libraries(monkeypatch):
+    bench = tool_scripts.load("quantizer_bench")
+    monkeypatch.setattr(bench, "SHAPES", (("tiny", 40, 64),))
+    library, used = cpu_kernels.library(), set()
+
+    class Against:
+        def __getattr__(self, name):
+            used.add(name)
+            return getattr(library, name)
+
+    rows = bench.measure(1, Against())
+    assert {row["kernel"] for row in rows} == set(bench._kernels(torch.zeros(1, 16)))
+    assert all(row["this_ms"] > 0 and row["against_ms"] > 0 for row in rows)
+    assert {"hot_rows_quantize", "hot_rows_encode", "hot_derivative_encode"} <= used

@@ -59,7 +59,7 @@ def _on(library, call):
     """``call`` with HOT's CPU ops on ``library``."""
 
     def on_library():
-        with unittest.mock.patch.object(cpu_kernels, "_library", lambda: library):
+        with unittest.mock.patch.object(cpu_kernels, "library", lambda: library):
             call()
 
     return on_library

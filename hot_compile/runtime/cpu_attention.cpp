@@ -5,38 +5,63 @@
 
 namespace {
 
-// e^x in float32 for x ≤ 88, as Cephes' expf, 16 lanes at a time: x = n·ln2 + r with |r| ≤ ln2/2 (ln2 in
-// two parts, so r is exact), e^r by its degree-7 polynomial, 2^n written into the exponent bits. Below
-// −87 the result is e^−87, not a subnormal: a probability under 2⁻¹²⁵ in a softmax row whose largest is
-// near 1.
-inline Float16x exp16(Float16x x) {
-  const Float16x low = Float16x{} - 87.0f, high = Float16x{} + 88.0f;
-  x = x < low ? low : x;
-  x = x > high ? high : x;
-  const Float16x t = x * 1.44269504088896341f + 0.5f;
-  Float16x n = __builtin_convertvector(__builtin_convertvector(t, Int16x), Float16x);
-  n = n > t ? n - 1.0f : n;  // the conversion truncates; n is floor(t)
-  const Float16x r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  Float16x p = Float16x{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * (Float16x)((__builtin_convertvector(n, Int16x) + 127) << 23);
+// e^x in float32 for x ≤ 88, as Cephes' expf, for K vectors of 16 lanes in place: x = n·ln2 + r with
+// |r| ≤ ln2/2 (ln2 in two parts, so r is exact), e^r by its degree-7 polynomial, 2^n written into the
+// exponent bits. Below −87 the result is e^−87, not a subnormal: a probability under 2⁻¹²⁵ in a softmax
+// row whose largest is near 1. Each step runs on all K vectors before the next, so that K chains of
+// dependent multiplies and adds are in flight at once: one vector's polynomial alone is latency-bound.
+template <int K>
+inline void exp_lanes(Float16x* x) {
+  Float16x n[K], r[K], p[K];
+#pragma GCC unroll 8
+  for (int j = 0; j < K; ++j) {
+    const Float16x v = x[j] < -87.0f ? Float16x{} - 87.0f : x[j];
+    x[j] = v > 88.0f ? Float16x{} + 88.0f : v;
+    const Float16x t = x[j] * 1.44269504088896341f + 0.5f;
+    n[j] = __builtin_convertvector(__builtin_convertvector(t, Int16x), Float16x);
+    n[j] = n[j] > t ? n[j] - 1.0f : n[j];  // the conversion truncates; n is floor(t)
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < K; ++j) r[j] = x[j] - n[j] * 0.693359375f + n[j] * 2.12194440e-4f;
+#pragma GCC unroll 8
+  for (int j = 0; j < K; ++j) p[j] = r[j] * 1.9875691500e-4f + 1.3981999507e-3f;
+  constexpr float COEFFICIENTS[] = {8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  for (const float c : COEFFICIENTS) {
+#pragma GCC unroll 8
+    for (int j = 0; j < K; ++j) p[j] = p[j] * r[j] + c;
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < K; ++j) {
+    p[j] = p[j] * r[j] * r[j] + r[j] + 1.0f;
+    x[j] = p[j] * (Float16x)((__builtin_convertvector(n[j], Int16x) + 127) << 23);
+  }
 }
 
-// P = e^x and dS = P · score_grad for `count` ≤ 16 values, each rounded to Out by `store`.
+// P = e^x and dS = P · score_grad for K whole vectors, each value rounded to Out once; vector j of
+// both goes to offset at(j).
+template <int K, typename Out, typename At>
+inline void probabilities_lanes(Float16x* x, const Float16x* score_grad, Out* p, Out* ds, At at) {
+  exp_lanes<K>(x);
+#pragma GCC unroll 8
+  for (int j = 0; j < K; ++j) {
+    store16(x[j], p + at(j));
+    store16(x[j] * score_grad[j], ds + at(j));
+  }
+}
+
+// The same for `count` < 16 values.
 template <typename Out>
-inline void probabilities16(Float16x x, Float16x score_grad, int64_t count, Out* p, Out* ds) {
-  const Float16x e = exp16(x), d = e * score_grad;
-#pragma omp simd
+inline void probabilities_tail(Float16x x, Float16x score_grad, int64_t count, Out* p, Out* ds) {
+  exp_lanes<1>(&x);
+  const Float16x d = x * score_grad;
   for (int64_t j = 0; j < count; ++j) {
-    store(e[j], p + j);
+    store(x[j], p + j);
     store(d[j], ds + j);
   }
 }
+
+// Vectors per call of probabilities_lanes: four chains hide the polynomial's latency on Zen 4.
+constexpr int EXP_CHAINS = 4;
 
 // P = e^shifted and dS = P · score_grad, each written once in the output dtype.
 template <typename Out>
@@ -46,14 +71,24 @@ void probabilities_and_score_grad(const float* shifted, const float* score_grad,
   for (int64_t c = 0; c < count; c += SPAN) {
     const int64_t stop = std::min(count, c + SPAN);
     int64_t i = c;
-    for (; i + 16 <= stop; i += 16) probabilities16(load16(shifted + i), load16(score_grad + i), 16, p + i, ds + i);
-    if (i < stop) probabilities16(load16(shifted + i, stop - i), load16(score_grad + i, stop - i), stop - i, p + i, ds + i);
+    for (; i + 16 * EXP_CHAINS <= stop; i += 16 * EXP_CHAINS) {
+      Float16x x[EXP_CHAINS], g[EXP_CHAINS];
+      for (int j = 0; j < EXP_CHAINS; ++j) x[j] = load16(shifted + i + 16 * j), g[j] = load16(score_grad + i + 16 * j);
+      probabilities_lanes<EXP_CHAINS>(x, g, p + i, ds + i, [](int j) { return 16 * j; });
+    }
+    for (; i + 16 <= stop; i += 16) {
+      Float16x x = load16(shifted + i), g = load16(score_grad + i);
+      probabilities_lanes<1>(&x, &g, p + i, ds + i, [](int) { return 0; });
+    }
+    if (i < stop) probabilities_tail(load16(shifted + i, stop - i), load16(score_grad + i, stop - i), stop - i, p + i, ds + i);
   }
 }
 
 #if defined(__AVX512F__)
 // Rows of a score tile: two tiles of 12 × 32 float32 sums each fill 24 registers in turn.
 constexpr int64_t SCORE_ROWS = 12, SCORE_COLS = 32;
+// Vectors per call of probabilities_lanes in a tile's elementwise pass: both halves of three rows.
+constexpr int TILE_CHAINS = 6;
 
 inline uint32_t pair_at(const BFloat16* row, int64_t pair) {
   uint32_t bits;
@@ -143,13 +178,30 @@ void attention_scores(const BFloat16* q, const BFloat16* k, const BFloat16* g, c
           const int64_t block = c0 / 16 * pairs * 16;
           score_tile(q_rows.data(), key + block, key + block + pairs * 16, pairs, scores);
           score_tile(g_rows.data(), value + block, value + block + pairs * 16, pairs, grads);
-          for (int64_t r = 0; r < rows; ++r) {
+          // Whole vectors TILE_CHAINS at a time (both halves of TILE_CHAINS / 2 rows), then the rest alone.
+          const int64_t whole = std::min<int64_t>(SCORE_COLS, s - c0) / 16 * 16;
+          const int64_t paired_rows = whole == SCORE_COLS ? rows / (TILE_CHAINS / 2) * (TILE_CHAINS / 2) : 0;
+          Float16x x[TILE_CHAINS], grad[TILE_CHAINS];
+          for (int64_t r = 0; r < paired_rows; r += TILE_CHAINS / 2) {
+            const int64_t row = h * l + first + r;
+            for (int j = 0; j < TILE_CHAINS; ++j) {
+              x[j] = load16(scores[r + j / 2] + 16 * (j % 2)) * scale - lse[row + j / 2];
+              grad[j] = (load16(grads[r + j / 2] + 16 * (j % 2)) - delta[row + j / 2]) * scale;
+            }
+            probabilities_lanes<TILE_CHAINS>(x, grad, p + row * s + c0, ds + row * s + c0,
+                                             [s](int j) { return j / 2 * s + 16 * (j % 2); });
+          }
+          for (int64_t r = paired_rows; r < rows; ++r) {
             const int64_t row = h * l + first + r;
             for (int64_t half = 0; half < SCORE_COLS && c0 + half < s; half += 16) {
-              const Float16x shifted = load16(scores[r] + half) * scale - lse[row];
-              const Float16x score_grad = (load16(grads[r] + half) - delta[row]) * scale;
+              x[0] = load16(scores[r] + half) * scale - lse[row];
+              grad[0] = (load16(grads[r] + half) - delta[row]) * scale;
               const int64_t at = row * s + c0 + half;
-              probabilities16(shifted, score_grad, std::min<int64_t>(16, s - c0 - half), p + at, ds + at);
+              if (half < whole) {
+                probabilities_lanes<1>(x, grad, p + at, ds + at, [](int) { return 0; });
+              } else {
+                probabilities_tail(x[0], grad[0], s - c0 - half, p + at, ds + at);
+              }
             }
           }
         }

@@ -48,15 +48,18 @@ inline float to_float(BFloat16 v) {
 }
 inline float to_float(_Float16 v) { return float(v); }
 
+// The bf16 bits of float32 bits `word` (a uint32_t, or UInt16x for 16 lanes): rounded to nearest even,
+// a NaN kept a quiet NaN.
+template <typename Word>
+inline Word bfloat16_bits(Word word) {
+  return (word & 0x7fffffffu) > 0x7f800000u ? (word >> 16) | 0x40u : (word + 0x7fffu + ((word >> 16) & 1u)) >> 16;
+}
+
 inline void store(float v, float* out) { *out = v; }
 inline void store(float v, BFloat16* out) {
   uint32_t word;
   std::memcpy(&word, &v, sizeof word);
-  if ((word & 0x7fffffffu) > 0x7f800000u) {
-    out->bits = uint16_t((word >> 16) | 0x40u);  // a quiet NaN stays NaN
-  } else {
-    out->bits = uint16_t((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);  // round to nearest even
-  }
+  out->bits = uint16_t(bfloat16_bits(word));
 }
 inline void store(float v, _Float16* out) { *out = _Float16(v); }
 
@@ -91,6 +94,17 @@ inline Float16x load16(const T* x, int64_t count, int64_t stride = 1) {
   T padded[16] = {};
   for (int64_t i = 0; i < count; ++i) padded[i] = x[i * stride];
   return load16(padded);
+}
+
+// 16 lanes stored as store() stores each.
+inline void store16(Float16x v, float* out) { std::memcpy(out, &v, sizeof v); }
+inline void store16(Float16x v, BFloat16* out) {
+  const UInt16x16 bits = __builtin_convertvector(bfloat16_bits((UInt16x)v), UInt16x16);
+  std::memcpy(out, &bits, sizeof bits);
+}
+inline void store16(Float16x v, _Float16* out) {
+  const Half16x halves = __builtin_convertvector(v, Half16x);
+  std::memcpy(out, &halves, sizeof halves);
 }
 
 // |v| lane-wise, by the sign bit.
