@@ -87,6 +87,18 @@ def test_fused_scores_against_float64():
     assert ((ds.double() - exact_ds).abs() <= ds_bound).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_dots_against_float64(dtype):
+    """``Δ = rowsum(dO ∘ O)`` of operands in the flash kernels' layout, within the float32 sum's bound."""
+    gen = torch.Generator().manual_seed(5)
+    g, o = (torch.randn(2, 9, 3, 40, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
+    delta = attention_ops.row_dots(g, o)
+    products = g.double() * o.double()
+    bound = 40 * tol.FLOAT32_SUM_PER_TERM * products.abs().sum(-1)
+    assert delta.dtype == torch.float32 and delta.shape == (2, 3, 9)
+    assert ((delta.double() - products.sum(-1)).abs() <= bound).all()
+
+
 def test_products_backward_fake_matches_its_kernel():
     operands = _operands((2, 2, 24, 16), (2, 2, 24, 16), 16, torch.Generator().manual_seed(1))
     torch.library.opcheck(attention_ops.attention_backward, (*operands, 0.25))

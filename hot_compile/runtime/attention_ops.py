@@ -48,6 +48,13 @@ def attention_probabilities(shifted: torch.Tensor, score_grad: torch.Tensor, dty
     return p, ds
 
 
+def _head_strides(*tensors: Tensor) -> tuple[list[Tensor], Tensor]:
+    """``tensors`` (``[B, H, ·, E]``) with their values made contiguous where they were not, and the batch,
+    head and row strides of each in turn, as the C kernels take them."""
+    operands = [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+    return operands, torch.tensor([stride for t in operands for stride in t.stride()[:3]], dtype=torch.int64)
+
+
 @functools.cache
 def bf16_attention_scores() -> bool:
     """Whether :func:`attention_scores` runs here: the library has it (AVX-512) and the CPU has
@@ -66,8 +73,7 @@ def attention_scores(
     even); ``logsumexp``, ``delta``: float32 ``[B, H, L]``."""
     b, h, l, e = query.shape
     s = key.shape[2]
-    operands = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, grad_out, value)]
-    strides = torch.tensor([stride for t in operands for stride in t.stride()[:3]], dtype=torch.int64)
+    operands, strides = _head_strides(query, key, grad_out, value)
     lse, delta = logsumexp.reshape(b * h, l).contiguous(), delta.reshape(b * h, l).contiguous()
     p, ds = (torch.empty(b * h, l, s, dtype=torch.bfloat16) for _ in range(2))
     cpu_kernels.library().hot_attention_scores(
@@ -75,6 +81,16 @@ def attention_scores(
         lse.data_ptr(), delta.data_ptr(), scale, p.data_ptr(), ds.data_ptr(),
     )  # fmt: skip
     return p, ds
+
+
+def row_dots(grad_out: Tensor, out: Tensor) -> Tensor:
+    """``Δ = rowsum(dO ∘ O)``, each row's products summed in float32: ``[B, H, L]`` float32 of two
+    ``[B, H, L, E]`` tensors of one dtype, read in place."""
+    b, h, l, e = out.shape
+    (g, o), strides = _head_strides(grad_out, out)
+    delta = torch.empty(b, h, l, dtype=torch.float32)
+    cpu_kernels.library().hot_attention_row_dots(g.data_ptr(), o.data_ptr(), cpu_kernels.dtype_code(o), b, h, l, e, strides.data_ptr(), delta.data_ptr())
+    return delta
 
 
 def _gradient_layout(like: Tensor) -> Tensor:
@@ -115,11 +131,12 @@ def attention_backward(
     batch_step, head_step = (max(1, heads // h), h) if heads >= h else (1, heads)
     grads = [_gradient_layout(t) for t in (query, key, value)]
     fused = _fused_scores(query, value)
+    deltas = row_dots(grad_out, out)
     for b0 in range(0, b, batch_step):
         for h0 in range(0, h, head_step):
             chunk = (slice(b0, b0 + batch_step), slice(h0, h0 + head_step))
-            g, q, k, v, o = (t[chunk] for t in (grad_out, query, key, value, out))
-            delta, lse = (g.float() * o.float()).sum(-1), logsumexp[chunk]
+            g, q, k, v = (t[chunk] for t in (grad_out, query, key, value))
+            delta, lse = deltas[chunk], logsumexp[chunk]
             if fused:
                 probabilities, score_grad = attention_scores(q, k, g, v, lse, delta, scale)
             else:

@@ -84,6 +84,39 @@ void probabilities_and_score_grad(const float* shifted, const float* score_grad,
   }
 }
 
+// The strides of one [batch, heads, rows, e] operand, in values: batch entry, head, row (values contiguous).
+struct HeadStrides {
+  int64_t batch, head, row;
+  template <typename T>
+  const T* at(const T* x, int64_t index, int64_t heads) const {
+    return x + index / heads * batch + index % heads * head;
+  }
+};
+
+// Δ = Σₑ g·o, summed in float32, for each of the batch × heads × l rows of g and o (strides: g's, then
+// o's), into delta [batch · heads · l].
+template <typename T>
+void row_dots(const T* g, const T* o, int64_t batch, int64_t heads, int64_t l, int64_t e, const HeadStrides* strides,
+              float* delta) {
+  const HeadStrides& gs = strides[0], &os = strides[1];
+#pragma omp parallel for schedule(static)
+  for (int64_t h = 0; h < batch * heads; ++h) {
+    const T* g_rows = gs.at(g, h, heads);
+    const T* o_rows = os.at(o, h, heads);
+    for (int64_t i = 0; i < l; ++i) {
+      const T* gi = g_rows + i * gs.row;
+      const T* oi = o_rows + i * os.row;
+      Float16x lanes = {};
+      int64_t j = 0;
+      for (; j + 16 <= e; j += 16) lanes += load16(gi + j) * load16(oi + j);
+      float sum = 0.0f;
+      for (int c = 0; c < 16; ++c) sum += lanes[c];
+      for (; j < e; ++j) sum += to_float(gi[j]) * to_float(oi[j]);
+      delta[h * l + i] = sum;
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 // Rows of a score tile: two tiles of 12 × 32 float32 sums each fill 24 registers in turn.
 constexpr int64_t SCORE_ROWS = 12, SCORE_COLS = 32;
@@ -138,14 +171,6 @@ __attribute__((target("avx512bf16"))) void score_tile(const uint32_t* a, const u
     _mm512_storeu_ps(sums[r] + 16, acc[r][1]);
   }
 }
-
-// The strides of one operand of attention_scores(), in values: batch entry, head, row (values contiguous).
-struct HeadStrides {
-  int64_t batch, head, row;
-  const BFloat16* at(const BFloat16* x, int64_t index, int64_t heads) const {
-    return x + index / heads * batch + index % heads * head;
-  }
-};
 
 // P = exp(scale·q kᵀ − lse) and dS = P ∘ scale·(g vᵀ − Δ) for `batch` × `heads` heads of [l, e] (q, g)
 // and [s, e] (k, v) bf16 rows (e even), lse and Δ float32 [batch · heads, l] contiguous, into P and dS
@@ -224,6 +249,22 @@ void hot_attention_probabilities(const float* shifted, const float* score_grad, 
       return probabilities_and_score_grad(shifted, score_grad, count, static_cast<BFloat16*>(p), static_cast<BFloat16*>(ds));
     default:
       return probabilities_and_score_grad(shifted, score_grad, count, static_cast<_Float16*>(p), static_cast<_Float16*>(ds));
+  }
+}
+
+// row_dots(), `strides` the batch, head and row strides of g, then of o.
+void hot_attention_row_dots(const void* g, const void* o, int64_t dtype, int64_t batch, int64_t heads, int64_t l,
+                            int64_t e, const int64_t* strides, float* delta) {
+  const auto* head_strides = reinterpret_cast<const HeadStrides*>(strides);
+  switch (dtype) {
+    case FLOAT32:
+      return row_dots(static_cast<const float*>(g), static_cast<const float*>(o), batch, heads, l, e, head_strides, delta);
+    case BFLOAT16:
+      return row_dots(static_cast<const BFloat16*>(g), static_cast<const BFloat16*>(o), batch, heads, l, e, head_strides,
+                      delta);
+    default:
+      return row_dots(static_cast<const _Float16*>(g), static_cast<const _Float16*>(o), batch, heads, l, e, head_strides,
+                      delta);
   }
 }
 

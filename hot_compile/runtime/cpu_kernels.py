@@ -63,6 +63,7 @@ _SIGNATURES = {
     "hot_derivative_encode": (_P, _I, _I, _I, _I, _U, _P, _P, _P),
     "hot_derivative_values": (_P, _I, _I, _I, _P),
     "hot_attention_probabilities": (_P, _P, _I, _I, _P, _P),
+    "hot_attention_row_dots": (_P, _P, _I, _I, _I, _I, _I, _P, _P),
     "hot_attention_scores_compiled": (),
     "hot_attention_scores": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _F, _P, _P),
     "hot_gemm_engines": (),
