@@ -4,6 +4,9 @@ per second of each kernel of HOT's C++ library that a rewritten step runs beside
 * ``rows SR``: ``cpu_kernels.quantize_rows`` with the block Hadamard transform and stochastic rounding,
   one scale per row: HQ's gradient and the integer forward's activation;
 * ``rows RN``: the same rounding to nearest, for what the noise costs;
+* ``columns SR``: HLA's ``q(P g)``, the transform along the tokens (rank 16), its column maxima, then
+  its stochastic codes stored column-major (``cpu_kernels.column_amax``, ``quantize_columns``);
+* ``columns RN``: ABC's compressed activation, the same rounded to nearest (``compress_activation``);
 * ``row code``: ``cpu_kernels.encode_rows``, the int8 code of a saved activation;
 * ``derivative code``: ``cpu_kernels.encode_derivative``, the 4-bit stochastic code of a derivative
   the forward computed;
@@ -28,17 +31,27 @@ import torch
 
 from hot_compile.harness.bench import interleaved_seconds, machine_info
 from hot_compile.harness.bench_report import kernel_bench_parser, machine_line, write_table
-from hot_compile.runtime import cpu_kernels
+from hot_compile.runtime import cpu_kernels, ops
+from hot_compile.runtime.hadamard import BLOCK, walsh_basis
 
 # (operand, rows, columns): ViT-S's at 32 × 197 tokens and the MLP block's at 32 × 196.
 SHAPES = (("ViT fc1 output", 6304, 1536), ("ViT block input", 6304, 384), ("MLP fc1 output", 6272, 3072))
 
 
+def _columns_sr(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """HLA's ``q(P g)``: the column maxima of the transform, then its stochastic codes, column-major."""
+    rows = x.shape[0]
+    scale = cpu_kernels.column_amax(x, basis, None, rows) / 127
+    return cpu_kernels.quantize_columns(x, basis, None, rows, 8, scale, stochastic=True, offset=1, column_major=True)
+
+
 def _kernels(x: torch.Tensor) -> dict:
-    width = x.shape[1]
+    width, basis = x.shape[1], walsh_basis(BLOCK)
     return {
         "rows SR": lambda: cpu_kernels.quantize_rows(x, 8, width=width, hadamard=True, per_row=True, stochastic=True, offset=1),
         "rows RN": lambda: cpu_kernels.quantize_rows(x, 8, width=width, hadamard=True, per_row=True, stochastic=False),
+        "columns SR": lambda: _columns_sr(x, basis),
+        "columns RN": lambda: ops.compress_activation(x, BLOCK, 8, True),
         "row code": lambda: cpu_kernels.encode_rows(x, 8),
         "derivative code": lambda: cpu_kernels.encode_derivative(x, 1),
         "GELU' code": lambda: cpu_kernels.encode_derivative(x, 1, "gelu"),
