@@ -100,34 +100,65 @@ void load_tile(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
   }
 }
 
-// A whole block (16 rows) of the tile, each column times the Hadamard matrix (Sylvester order) by
-// butterflies, 4 additions per value where the dense product takes 16 multiply-adds; 16 columns at
-// a time held in registers through the four stages, so the tile is written once.
+// Columns g..g + 15 of a whole block (16 rows) of the tile, each column times the Hadamard matrix
+// (Sylvester order) by butterflies, 4 additions per value where the dense product takes 16
+// multiply-adds, into v[row] (columns past `cols` zero).
+template <typename T>
+inline void hadamard_columns16(const T* first, int64_t row_stride, int64_t col_stride, int64_t g, int64_t cols,
+                               Float16x (&v)[BLOCK]) {
+  const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, cols - g));
+  if (count == 16 && col_stride == 1) {  // the common case, without a branch per row
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g);
+  } else {
+    for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g * col_stride, count, col_stride);
+  }
+#pragma GCC unroll 4
+  for (int64_t h = 1; h < BLOCK; h <<= 1) {
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      if (j & h) continue;
+      const Float16x u = v[j], w = v[j + h];
+      v[j] = u + w;
+      v[j + h] = u - w;
+    }
+  }
+}
+
+// A whole block of the tile transformed (hadamard_columns16), 16 columns at a time held in registers
+// through the four stages, so the tile is written once.
 template <typename T>
 void load_hadamard_tile(const T* x, int64_t row_stride, int64_t col_stride, int64_t block, int64_t c0, int64_t cols,
                         float (*xb)[TILE]) {
   const T* first = x + block * BLOCK * row_stride + c0 * col_stride;
   for (int64_t g = 0; g < TILE; g += 16) {
-    const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, cols - g));
     Float16x v[BLOCK];
-    if (count == 16 && col_stride == 1) {  // the common case, without a branch per row
-#pragma GCC unroll 16
-      for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g);
-    } else {
-      for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g * col_stride, count, col_stride);
-    }
-#pragma GCC unroll 4
-    for (int64_t h = 1; h < BLOCK; h <<= 1) {
-#pragma GCC unroll 16
-      for (int64_t j = 0; j < BLOCK; ++j) {
-        if (j & h) continue;
-        const Float16x u = v[j], w = v[j + h];
-        v[j] = u + w;
-        v[j + h] = u - w;
-      }
-    }
+    hadamard_columns16(first, row_stride, col_stride, g, cols, v);
 #pragma GCC unroll 16
     for (int64_t j = 0; j < BLOCK; ++j) std::memcpy(xb[j] + g, &v[j], sizeof v[j]);
+  }
+}
+
+// The per-column max|y| of rows `rows[0..count)` of a whole block's transform folded into amax[0..cols)
+// (a NaN wins), from registers: the maxima alone need no tile.
+template <typename T>
+void fold_hadamard_amax(const T* x, int64_t row_stride, int64_t col_stride, int64_t block, int64_t c0, int64_t cols,
+                        const int64_t* rows, int64_t count, float* amax) {
+  const T* first = x + block * BLOCK * row_stride + c0 * col_stride;
+  for (int64_t g = 0; g < cols; g += 16) {
+    Float16x v[BLOCK];
+    hadamard_columns16(first, row_stride, col_stride, g, cols, v);
+    Float16x m = {};
+    for (int64_t i = 0; i < count; ++i) m = max_magnitude(m, v[rows[i]]);
+    const int64_t width = std::min<int64_t>(16, cols - g);
+    if (width == 16) {
+      Float16x a;
+      std::memcpy(&a, amax + g, sizeof a);
+      a = max_magnitude(a, m);
+      std::memcpy(amax + g, &a, sizeof a);
+    } else {
+      for (int64_t c = 0; c < width; ++c) amax[g + c] = max_magnitude(amax[g + c], m[c]);
+    }
   }
 }
 
@@ -230,6 +261,10 @@ void cols_pass(const T* x, int64_t n, int64_t k, int64_t row_stride, int64_t col
         const int64_t count = std::min(rank, out_rows - b * rank);
         if (count <= 0) continue;
         const bool hadamard = b < whole && butterflies;
+        if (hadamard && stats && !sums) {
+          fold_hadamard_amax(x, row_stride, col_stride, b, c0, cols, hadamard_rows, count, local.data() + c0);
+          continue;
+        }
         if (hadamard) {
           load_hadamard_tile(x, row_stride, col_stride, b, c0, cols, xb);
         } else {
