@@ -109,7 +109,12 @@ inline void hadamard_columns16(const T* first, int64_t row_stride, int64_t col_s
   const int64_t count = std::max<int64_t>(0, std::min<int64_t>(16, cols - g));
   if (count == 16 && col_stride == 1) {  // the common case, without a branch per row
 #pragma GCC unroll 16
-    for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g);
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      // The next tile's part of the row, which a pass reaches next: 16 rows read 128 bytes at a time are
+      // more streams than the hardware prefetcher follows (0.8-0.9 of the pass's time on Zen 4).
+      __builtin_prefetch(first + j * row_stride + g + TILE);
+      v[j] = load16(first + j * row_stride + g);
+    }
   } else {
     for (int64_t j = 0; j < BLOCK; ++j) v[j] = load16(first + j * row_stride + g * col_stride, count, col_stride);
   }
