@@ -32,4 +32,4 @@ def test_quantizer_bench_runs_each_kernel_on_both_libraries(monkeypatch):
     rows = bench.measure(1, Against())
     assert {row["kernel"] for row in rows} == set(bench._kernels(torch.zeros(1, 16)))
     assert all(row["this_ms"] > 0 and row["against_ms"] > 0 for row in rows)
-    assert {"hot_rows_quantize", "hot_rows_encode", "hot_derivative_encode"} <= used
+    assert {"hot_rows_quantize", "hot_rows_encode", "hot_derivative_encode", "hot_cols_stats", "hot_cols_quantize"} <= used
