@@ -181,13 +181,15 @@ void attention_scores(const BFloat16* q, const BFloat16* k, const BFloat16* g, c
   const HeadStrides& qs = strides[0], &ks = strides[1], &gs = strides[2], &vs = strides[3];
   const int64_t count = batch * heads, pairs = e / 2, padded = (s + SCORE_COLS - 1) / SCORE_COLS * SCORE_COLS;
   const int64_t packed_size = padded * pairs, tiles = (l + SCORE_ROWS - 1) / SCORE_ROWS;
-  std::vector<uint32_t> keys(count * packed_size), values(count * packed_size);
+  // Left uninitialized: pack_pair_columns writes every entry, its padding included, in parallel (a
+  // vector's zero fill ran on one thread while the other waited).
+  const std::unique_ptr<uint32_t[]> keys(new uint32_t[count * packed_size]), values(new uint32_t[count * packed_size]);
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < count; ++h) {
-      pack_pair_columns(ks.at(k, h, heads), s, pairs, ks.row, keys.data() + h * packed_size);
-      pack_pair_columns(vs.at(v, h, heads), s, pairs, vs.row, values.data() + h * packed_size);
+      pack_pair_columns(ks.at(k, h, heads), s, pairs, ks.row, keys.get() + h * packed_size);
+      pack_pair_columns(vs.at(v, h, heads), s, pairs, vs.row, values.get() + h * packed_size);
     }
     std::vector<uint32_t> q_rows(pairs * SCORE_ROWS), g_rows(pairs * SCORE_ROWS);
     alignas(64) float scores[SCORE_ROWS][SCORE_COLS], grads[SCORE_ROWS][SCORE_COLS];
@@ -197,8 +199,8 @@ void attention_scores(const BFloat16* q, const BFloat16* k, const BFloat16* g, c
         const int64_t first = t * SCORE_ROWS, rows = std::min(SCORE_ROWS, l - first);
         pack_pair_rows(qs.at(q, h, heads), first, l, pairs, qs.row, q_rows.data());
         pack_pair_rows(gs.at(g, h, heads), first, l, pairs, gs.row, g_rows.data());
-        const uint32_t* key = keys.data() + h * packed_size;
-        const uint32_t* value = values.data() + h * packed_size;
+        const uint32_t* key = keys.get() + h * packed_size;
+        const uint32_t* value = values.get() + h * packed_size;
         for (int64_t c0 = 0; c0 < s; c0 += SCORE_COLS) {
           const int64_t block = c0 / 16 * pairs * 16;
           score_tile(q_rows.data(), key + block, key + block + pairs * 16, pairs, scores);
