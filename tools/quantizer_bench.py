@@ -5,7 +5,7 @@ per second of each kernel of HOT's C++ library that a rewritten step runs beside
   one scale per row: HQ's gradient and the integer forward's activation;
 * ``rows RN``: the same rounding to nearest, for what the noise costs;
 * ``columns SR``: HLA's ``q(P g)``, the transform along the tokens (rank 16), its column maxima, then
-  its stochastic codes stored column-major (``cpu_kernels.column_amax``, ``quantize_columns``);
+  its stochastic codes stored column-major (``ops._quantize_by_columns``, as HLA runs it);
 * ``columns RN``: ABC's compressed activation, the same rounded to nearest (``compress_activation``);
 * ``row code``: ``cpu_kernels.encode_rows``, the int8 code of a saved activation;
 * ``derivative code``: ``cpu_kernels.encode_derivative``, the 4-bit stochastic code of a derivative
@@ -38,19 +38,12 @@ from hot_compile.runtime.hadamard import BLOCK, walsh_basis
 SHAPES = (("ViT fc1 output", 6304, 1536), ("ViT block input", 6304, 384), ("MLP fc1 output", 6272, 3072))
 
 
-def _columns_sr(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """HLA's ``q(P g)``: the column maxima of the transform, then its stochastic codes, column-major."""
-    rows = x.shape[0]
-    scale = cpu_kernels.column_amax(x, basis, None, rows) / 127
-    return cpu_kernels.quantize_columns(x, basis, None, rows, 8, scale, stochastic=True, offset=1, column_major=True)
-
-
 def _kernels(x: torch.Tensor) -> dict:
     width, basis = x.shape[1], walsh_basis(BLOCK)
     return {
         "rows SR": lambda: cpu_kernels.quantize_rows(x, 8, width=width, hadamard=True, per_row=True, stochastic=True, offset=1),
         "rows RN": lambda: cpu_kernels.quantize_rows(x, 8, width=width, hadamard=True, per_row=True, stochastic=False),
-        "columns SR": lambda: _columns_sr(x, basis),
+        "columns SR": lambda: ops._quantize_by_columns(x, basis, None, x.shape[0], 8, per_column=True, stochastic=True, offset=1, column_major=True),
         "columns RN": lambda: ops.compress_activation(x, BLOCK, 8, True),
         "row code": lambda: cpu_kernels.encode_rows(x, 8),
         "derivative code": lambda: cpu_kernels.encode_derivative(x, 1),

@@ -144,29 +144,6 @@ void load_hadamard_tile(const T* x, int64_t row_stride, int64_t col_stride, int6
   }
 }
 
-// The per-column max|y| of rows `rows[0..count)` of a whole block's transform folded into amax[0..cols)
-// (a NaN wins), from registers: the maxima alone need no tile.
-template <typename T>
-void fold_hadamard_amax(const T* x, int64_t row_stride, int64_t col_stride, int64_t block, int64_t c0, int64_t cols,
-                        const int64_t* rows, int64_t count, float* amax) {
-  const T* first = x + block * BLOCK * row_stride + c0 * col_stride;
-  for (int64_t g = 0; g < cols; g += 16) {
-    Float16x v[BLOCK];
-    hadamard_columns16(first, row_stride, col_stride, g, cols, v);
-    Float16x m = {};
-    for (int64_t i = 0; i < count; ++i) m = max_magnitude(m, v[rows[i]]);
-    const int64_t width = std::min<int64_t>(16, cols - g);
-    if (width == 16) {
-      Float16x a;
-      std::memcpy(&a, amax + g, sizeof a);
-      a = max_magnitude(a, m);
-      std::memcpy(amax + g, &a, sizeof a);
-    } else {
-      for (int64_t c = 0; c < width; ++c) amax[g + c] = max_magnitude(amax[g + c], m[c]);
-    }
-  }
-}
-
 // Folds `cols` transformed values into per-column max|y| (a NaN wins) and, with Sums, Σ|y| and Σy².
 template <bool Sums>
 inline void accumulate(const float* y, int64_t cols, float* amax, float* abs_sum, float* sq_sum) {
@@ -193,6 +170,23 @@ inline void accumulate(const float* y, int64_t cols, float* amax, float* abs_sum
       abs_sum[c] += std::fabs(y[c]);
       sq_sum[c] += y[c] * y[c];
     }
+  }
+}
+
+// The per-column max|y| of rows `rows[0..count)` of a whole block's transform folded into amax[0..cols)
+// (a NaN wins), from registers: the maxima alone need no tile.
+template <typename T>
+void fold_hadamard_amax(const T* x, int64_t row_stride, int64_t col_stride, int64_t block, int64_t c0, int64_t cols,
+                        const int64_t* rows, int64_t count, float* amax) {
+  const T* first = x + block * BLOCK * row_stride + c0 * col_stride;
+  for (int64_t g = 0; g < cols; g += 16) {
+    Float16x v[BLOCK];
+    hadamard_columns16(first, row_stride, col_stride, g, cols, v);
+    Float16x m = {};
+    for (int64_t i = 0; i < count; ++i) m = max_magnitude(m, v[rows[i]]);
+    float maxima[16];
+    std::memcpy(maxima, &m, sizeof maxima);
+    accumulate<false>(maxima, std::min<int64_t>(16, cols - g), amax + g, nullptr, nullptr);
   }
 }
 
