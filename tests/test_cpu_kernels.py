@@ -243,12 +243,13 @@ def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(100, 40, 24), (64, 128, 64), (300, 200, 70), (33, 8, 17), (70, 2100, 40), (40, 8300, 40)])
+@pytest.mark.parametrize("shape", [(100, 40, 24), (64, 128, 64), (300, 200, 70), (33, 8, 17), (70, 2100, 40), (40, 8300, 40), (1300, 40, 24)])
 def test_fused_product_is_the_chunked_one_exactly(monkeypatch, out_dtype, shape):
     """HOT's own GEMM (AMX or VNNI) against ``torch._int_mm`` and the chunked dequantize: the int32 sums
     are exact in both and the epilogue's arithmetic is the same, so every output is equal. The shapes
     leave partial tiles along each dimension (32 or 12 rows, 64 contraction values, 32 columns a
-    block) and contractions summed in several chunks (the AMX engine's 1024, the VNNI engine's 4096),
+    block), rows shared out in groups of unequal tile counts (1300 rows: several groups a thread),
+    and contractions summed in several chunks (the AMX engine's 1024, the VNNI engine's 4096),
     and each operand is read row- and column-major (HLA's ``q(P g)ᵀ``, the forward's ``q(W)ᵀ``).
     Operands reach -128, whose sign bit the VNNI engine flips to offset A."""
     if not cpu_kernels.fused_gemm():  # asked here: the library loads under the session's cache (conftest)

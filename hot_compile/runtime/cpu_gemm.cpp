@@ -138,13 +138,14 @@ void matmul_dequantize(const int8_t* a, int64_t m, int64_t k, int64_t sam, int64
                        int64_t row_scale_stride, const float* col_scale, int64_t col_scale_stride, float divisor,
                        const float* bias, Out* out) {
   constexpr int64_t tile = Engine::rows;
-  // As many groups of whole tiles as a multiple of the threads: M = 768 in 3 groups of 256 would leave
-  // one of 2 threads idle a third of the time.
+  // Groups of whole tiles, as many as a multiple of the threads, that differ by at most one tile: M = 768
+  // in 3 groups of 256 would leave one of 2 threads idle a third of the time, and M = 6304 in 26 groups
+  // of 252 rows (the last of 4) one thread a thirteenth.
   const int64_t threads = omp_get_max_threads();
   const int64_t rounds = (m + threads * GEMM_GROUP - 1) / (threads * GEMM_GROUP);
-  const int64_t share = (m + threads * rounds - 1) / (threads * rounds);
-  const int64_t group = (share + tile - 1) / tile * tile;
-  const int64_t groups = (m + group - 1) / group;
+  const int64_t tiles = (m + tile - 1) / tile;
+  const int64_t groups = std::min(tiles, threads * rounds);
+  const int64_t group = (tiles + groups - 1) / groups * tile;  // rows of the largest group
   // A read in place where its tiles are whole rows of 64 values as the engine takes them; else each
   // group is copied, padded.
   const bool direct = !Engine::offset_a && sak == 1 && k == kp;
@@ -161,7 +162,7 @@ void matmul_dequantize(const int8_t* a, int64_t m, int64_t k, int64_t sam, int64
     alignas(64) int32_t c[tile * GEMM_N];
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t first = g * group, count = std::min(group, m - first);
+      const int64_t first = g * tiles / groups * tile, count = std::min(m, (g + 1) * tiles / groups * tile) - first;
       const int64_t whole = direct ? count / tile * tile : 0;
       if (whole < count) {
         pack_a(a, first + whole, count - whole, k, sam, sak, kp, tile, Engine::offset_a, panel.data());

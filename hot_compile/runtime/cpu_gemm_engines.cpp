@@ -164,13 +164,14 @@ void hot_matmul_dequantize(const int8_t* a, int64_t m, int64_t k, int64_t sam, i
                            void* out, int64_t out_dtype, int64_t engine) {
 #if defined(__AVX512VNNI__) || (defined(__AMX_TILE__) && defined(__AMX_INT8__))
   const int64_t kp = (k + GEMM_K - 1) / GEMM_K * GEMM_K, np = (n + GEMM_N - 1) / GEMM_N * GEMM_N;
-  std::vector<int8_t> packed(kp * np);
-  pack_b(b, k, n, sbk, sbn, kp, np, packed.data());
+  // Not zero-filled first (on one thread, while the others wait): pack_b writes every entry.
+  const std::unique_ptr<int8_t[]> packed(new int8_t[kp * np]);
+  pack_b(b, k, n, sbk, sbn, kp, np, packed.get());
   auto run = [&](auto engine_tag, auto* o) {
     using Engine = decltype(engine_tag);
     std::vector<int32_t> offset_sums(Engine::offset_a ? np : 0);
-    if constexpr (Engine::offset_a) offset_column_sums(packed.data(), kp, np, offset_sums.data());
-    matmul_dequantize<Engine>(a, m, k, sam, sak, packed.data(), n, kp, Engine::offset_a ? offset_sums.data() : nullptr,
+    if constexpr (Engine::offset_a) offset_column_sums(packed.get(), kp, np, offset_sums.data());
+    matmul_dequantize<Engine>(a, m, k, sam, sak, packed.get(), n, kp, Engine::offset_a ? offset_sums.data() : nullptr,
                               row_scale, row_scale_stride, col_scale, col_scale_stride, divisor, bias, o);
   };
   auto by_out = [&](auto engine_tag) {
