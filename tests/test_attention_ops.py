@@ -27,19 +27,20 @@ def _operands(query_shape, key_shape, value_dim, gen):
         ((4, 3, 40, 16), (4, 3, 40, 16), 16, 4 * 40 * 40 * 3 * 2),  # two batch entries a chunk
         ((2, 2, 7, 16), (2, 2, 9, 16), 16, attention_ops.CHUNK_BYTES),  # cross attention
         ((1, 4, 300, 32), (1, 4, 300, 32), 32, 4 * 300 * 300 * 3),  # three heads of one entry a chunk
+        ((1, 2, 251, 16), (1, 2, 1100, 16), 16, attention_ops.CHUNK_BYTES),  # the native kernel's queries in 3 blocks, the last odd
     ],
 )
-@pytest.mark.parametrize("scores", ["fused", "stored"])
-def test_products_backward_against_float64(query_shape, key_shape, value_dim, chunk_bytes, scores, monkeypatch):
-    """Both ways of the score products: fused with the elementwise pass on AVX512-BF16, and stored in
-    float32 from upcast operands."""
+@pytest.mark.parametrize("way", ["native", "stored"])
+def test_products_backward_against_float64(query_shape, key_shape, value_dim, chunk_bytes, way, monkeypatch):
+    """Both ways: the native kernel on AVX512-BF16, a head at a time, and chunks of heads whose scores
+    are stored in float32 from upcast operands, then batched products."""
     monkeypatch.setattr(attention_ops, "CHUNK_BYTES", chunk_bytes)
-    if scores == "stored":
-        monkeypatch.setattr(attention_ops, "bf16_attention_scores", lambda: False)
-    elif not attention_ops.bf16_attention_scores():
-        pytest.skip("the fused score products need AVX512-BF16")
+    if way == "stored":
+        monkeypatch.setattr(attention_ops, "bf16_attention_backward", lambda: False)
+    elif not attention_ops.bf16_attention_backward():
+        pytest.skip("the native attention backward needs AVX512-BF16")
     else:
-        monkeypatch.setattr(attention_ops, "attention_probabilities", _not_called)
+        monkeypatch.setattr(attention_ops, "_scores", _not_called)
     grad, q, k, v, out, lse = _operands(query_shape, key_shape, value_dim, torch.Generator().manual_seed(0))
     scale = query_shape[-1] ** -0.5
     grads = attention_ops.attention_backward(grad, q, k, v, out, lse, scale)
@@ -52,38 +53,42 @@ def test_products_backward_against_float64(query_shape, key_shape, value_dim, ch
 
 
 def _not_called(*args):
-    raise AssertionError("the stored score products ran where the fused ones should")
+    raise AssertionError("the stored score products ran where the native kernel should")
 
 
-def test_fused_scores_against_float64():
-    """``P`` and ``dS`` from the pair products against float64: ``P`` within one bf16 rounding, the float32
-    exponential's error and the float32 sum's bound on its exponent (``scale·Q·Kᵀ``); ``dS`` within one
-    bf16 rounding plus ``P·scale`` times the float32 sum's bound on ``dO·Vᵀ`` (``dS`` is a difference of
-    nearly equal terms). Tiles of 12 rows and 32 columns left partial (a last tile of one row, and of
-    a whole vector and a part of one); q and k in the flash kernels' layout, dO contiguous."""
-    if not attention_ops.bf16_attention_scores():
-        pytest.skip("the fused score products need AVX512-BF16")
+def test_native_scores_against_float64():
+    """The native kernel's ``P`` and ``dS`` against float64, read out exactly through two of its products:
+    with ``dO``'s rows one-hot, ``dV = Pᵀ dO`` holds ``Pᵀ``, and with ``Q``'s rows twice one-hot, ``dK = dSᵀ Q``
+    holds ``2·dSᵀ`` (one term in each sum, bf16 values: no rounding). ``P`` within one bf16 rounding, the
+    float32 exponential's error and the float32 sum's bound on its exponent (``scale·Q·Kᵀ``); ``dS`` within
+    one bf16 rounding plus ``P·scale`` times its difference's error (``dS`` is a difference of nearly equal
+    terms). Tiles of 12 rows and 32 columns left partial (a last tile of one row, and of a whole vector and
+    a part of one), an odd number of keys and queries (the last pair of each contraction half padding);
+    q and k in the flash kernels' layout, dO contiguous."""
+    if not attention_ops.bf16_attention_backward():
+        pytest.skip("the native attention backward needs AVX512-BF16")
     gen = torch.Generator().manual_seed(3)
     b, h, l, s, e = 2, 3, 37, 53, 64
-    q, k, v = (torch.randn(b, n, h, e, generator=gen).bfloat16().transpose(1, 2) for n in (l, s, s))
-    g = torch.randn(b, h, l, e, generator=gen).bfloat16()
-    delta, scale = torch.randn(b, h, l, generator=gen), e**-0.5
+    one_hot = torch.eye(l, e).expand(b, h, l, e)
+    q = (2 * one_hot).bfloat16().transpose(1, 2).contiguous().transpose(1, 2)
+    k, v = (torch.randn(b, s, h, e, generator=gen).bfloat16().transpose(1, 2) for _ in range(2))
+    g = one_hot.bfloat16().contiguous()
+    out = torch.randn(b, h, l, e, generator=gen).bfloat16()
+    scale = e**-0.5
     scores = scale * q.double() @ k.double().transpose(-1, -2)
     lse = torch.logsumexp(scores, -1).float()
-    p, ds = attention_ops.attention_scores(q, k, g, v, lse, delta, scale)
-    exact_p = (scores - lse.double()[..., None]).exp().flatten(0, 1)
-    product_sum = (g.double() @ v.double().transpose(-1, -2)).flatten(0, 1)
-    difference = product_sum - delta.double().flatten(0, 1)[..., None]
+    _, dk, dv = attention_ops.attention_backward(g, q, k, v, out, lse, scale)
+    p, ds = dv[..., :l].transpose(-1, -2), dk[..., :l].transpose(-1, -2) / 2
+    exact_p = (scores - lse.double()[..., None]).exp()
+    delta = (g.double() * out.double()).sum(-1)
+    difference = g.double() @ v.double().transpose(-1, -2) - delta[..., None]
     exact_ds = exact_p * scale * difference
-    def sum_bound(x, y):
-        return e * tol.FLOAT32_SUM_PER_TERM * (x.double().abs() @ y.double().abs().transpose(-1, -2)).flatten(0, 1)
-
-    exponent_bound = scale * sum_bound(q, k)
-    assert p.dtype == ds.dtype == torch.bfloat16 and p.shape == (b * h, l, s)
+    exponent_bound = scale * e * tol.FLOAT32_SUM_PER_TERM * (q.double().abs() @ k.double().abs().transpose(-1, -2))
+    assert p.dtype == ds.dtype == torch.bfloat16 and p.shape == (b, h, l, s)
     p_bound = (tol.BF16_ROUNDING + (1 + tol.BF16_ROUNDING) * (tol.FLOAT32_EXP + 2 * exponent_bound)) * exact_p
     assert ((p.double() - exact_p).abs() <= p_bound).all()
-    float32_ds = p_bound * scale * difference.abs() + exact_p * scale * sum_bound(g, v)
-    ds_bound = tol.BF16_ROUNDING * exact_ds.abs() + (1 + tol.BF16_ROUNDING) * float32_ds
+    # dO·Vᵀ and Δ are one term each here, exact in float32: dS's error is P's, and its rounding.
+    ds_bound = tol.BF16_ROUNDING * exact_ds.abs() + (1 + tol.BF16_ROUNDING) * p_bound * scale * difference.abs()
     assert ((ds.double() - exact_ds).abs() <= ds_bound).all()
 
 

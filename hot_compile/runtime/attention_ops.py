@@ -1,23 +1,27 @@
-"""The backward of a half-precision attention as batched products, a chunk of heads at a time.
+"""The backward of a half-precision attention as products of materialized scores.
 
 The CPU's flash-attention backward streams its blocks through small loops: on Zen 4, at ViT-S's
 heads, its five products run at about 60% of the float32 GEMM's rate in float32 and at a fifth of the
-bf16 GEMM's in bf16. With the scores of a few heads materialized, the same gradients are five
-batched products and one elementwise pass. For
+bf16 GEMM's in bf16. With the scores of a head materialized, the same gradients are five
+products and one elementwise pass. For
 ``P = exp(scale·QKᵀ − lse)``, the probabilities the forward computed, and ``Δ = rowsum(dO ∘ O)``:
 
     dV = Pᵀ dO,   dS = scale · P ∘ (dO Vᵀ − Δ),   dQ = dS K,   dK = dSᵀ Q.
 
 ``QKᵀ`` and ``dO Vᵀ`` are float32 sums of the operands' exact products: ``P`` is an exponential of the
-scores, and ``dS`` a difference of nearly equal terms, so neither may start from bf16 roundings. Where
-the CPU has AVX512-BF16 they run on its pair products, a tile of scores at a time, fused with the
-elementwise pass (:func:`attention_scores`): no float32 score is
-stored, and no operand upcast. Elsewhere (float16, or without AVX512-BF16) they are float32 products
-of the upcast operands, stored, then the elementwise pass.
+scores, and ``dS`` a difference of nearly equal terms, so neither may start from bf16 roundings.
 ``P`` and ``dS`` are rounded to the inputs' dtype where they enter the last three products, as the
-bf16 flash kernel rounds them; each gradient is one rounding of a float32 sum. Against float64, the
-gradients of ViT-S's and MiniLM's heads come out at 0.0024 relative error, between the float32
-kernel's 0.0017 and the bf16 kernel's 0.0031–0.0033 (``tools/attention_bench.py``).
+bf16 flash kernel rounds them; each gradient is one rounding of a float32 sum.
+
+Where the CPU has AVX512-BF16, one native kernel runs the whole backward a head at a time on a
+thread (:func:`bf16_attention_backward`): the score products on its pair products, a tile at a time,
+fused with the elementwise pass (no float32 score stored, no operand upcast), then the last three
+products from operands interleaved by pairs, while the head's ``P`` and ``dS`` stay in the thread's
+caches, each gradient written in place into its flash-kernel layout. Elsewhere (float16, or without
+AVX512-BF16) a chunk of heads at a time: float32 products of the upcast operands, stored, the
+elementwise pass, then batched products. Against float64, the gradients of ViT-S's and MiniLM's heads
+come out at 0.0024 relative error, between the float32 kernel's 0.0017 and the bf16 kernel's
+0.0031–0.0033 (``tools/attention_bench.py``).
 
 CPU only (its elementwise pass is :func:`attention_probabilities`).
 No mask, no dropout, no causal mask: the graph pass keeps the fused kernel for those.
@@ -32,8 +36,8 @@ from torch import Tensor
 
 from . import cpu_kernels
 
-# Heads per chunk: the float32 scores of a chunk and their gradient stay within a few MiB, which
-# the heap reuses from one chunk to the next.
+# Heads per chunk where the scores are stored: the float32 scores of a chunk and their gradient stay
+# within a few MiB, which the heap reuses from one chunk to the next.
 CHUNK_BYTES = 2 << 20
 
 
@@ -56,31 +60,10 @@ def _head_strides(*tensors: Tensor) -> tuple[list[Tensor], Tensor]:
 
 
 @functools.cache
-def bf16_attention_scores() -> bool:
-    """Whether :func:`attention_scores` runs here: the library has it (AVX-512) and the CPU has
-    AVX512-BF16's pair products, which it calls."""
-    return bool(cpu_kernels.library().hot_attention_scores_compiled()) and torch.cpu._is_avx512_bf16_supported()
-
-
-def attention_scores(
-    query: torch.Tensor, key: torch.Tensor, grad_out: torch.Tensor, value: torch.Tensor,
-    logsumexp: torch.Tensor, delta: torch.Tensor, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``P = exp(scale·QKᵀ − lse)`` and ``dS = P ∘ scale·(dO Vᵀ − Δ)`` in bf16, ``[B·H, L, S]``, with the
-    score products summed in float32 in registers and never stored (where :func:`bf16_attention_scores`):
-    :func:`attention_probabilities` of the float32 products, fused. ``query``, ``grad_out``: bf16
-    ``[B, H, L, E]``, ``key``, ``value``: ``[B, H, S, E]`` (any strides with ``E`` contiguous, ``E``
-    even); ``logsumexp``, ``delta``: float32 ``[B, H, L]``."""
-    b, h, l, e = query.shape
-    s = key.shape[2]
-    operands, strides = _head_strides(query, key, grad_out, value)
-    lse, delta = logsumexp.reshape(b * h, l).contiguous(), delta.reshape(b * h, l).contiguous()
-    p, ds = (torch.empty(b * h, l, s, dtype=torch.bfloat16) for _ in range(2))
-    cpu_kernels.library().hot_attention_scores(
-        *(t.data_ptr() for t in operands), b, h, l, s, e, strides.data_ptr(),
-        lse.data_ptr(), delta.data_ptr(), scale, p.data_ptr(), ds.data_ptr(),
-    )  # fmt: skip
-    return p, ds
+def bf16_attention_backward() -> bool:
+    """Whether :func:`attention_backward` runs as one native kernel here: the library has it (AVX-512)
+    and the CPU has AVX512-BF16's pair products, which it calls."""
+    return bool(cpu_kernels.library().hot_attention_backward_compiled()) and torch.cpu._is_avx512_bf16_supported()
 
 
 def row_dots(grad_out: Tensor, out: Tensor) -> Tensor:
@@ -100,11 +83,27 @@ def _gradient_layout(like: Tensor) -> Tensor:
     return like.new_empty(b, l, h, e).transpose(1, 2)
 
 
-def _fused_scores(query: Tensor, value: Tensor) -> bool:
-    """Whether the score products run fused with the elementwise pass, on AVX512-BF16's pair products
-    (:func:`attention_scores`): bf16 operands, one even head size."""
+def _native(query: Tensor, value: Tensor) -> bool:
+    """Whether the whole backward runs as one native kernel on AVX512-BF16's pair products
+    (:func:`bf16_attention_backward`): bf16 operands, one even head size."""
     even = query.shape[-1] % 2 == 0 and value.shape[-1] == query.shape[-1]
-    return query.dtype == torch.bfloat16 and even and bf16_attention_scores()
+    return query.dtype == torch.bfloat16 and even and bf16_attention_backward()
+
+
+def _native_backward(
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, logsumexp: Tensor, scale: float
+) -> tuple[Tensor, ...]:
+    """:func:`attention_backward` by the native kernel, its gradients written in place in their layout."""
+    b, h, l, e = query.shape
+    grads = [_gradient_layout(t) for t in (query, key, value)]
+    operands, strides = _head_strides(query, key, grad_out, value, *grads)
+    lse = logsumexp.reshape(b * h, l).contiguous()
+    delta = row_dots(grad_out, out)
+    cpu_kernels.library().hot_attention_backward(
+        *(t.data_ptr() for t in operands[:4]), b, h, l, key.shape[2], e, strides.data_ptr(),
+        lse.data_ptr(), delta.data_ptr(), scale, *(t.data_ptr() for t in grads),
+    )  # fmt: skip
+    return tuple(grads)
 
 
 def _scores(q: Tensor, k: Tensor, g: Tensor, v: Tensor, lse: Tensor, delta: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -124,23 +123,20 @@ def attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dQ, dK, dV)`` of ``out = softmax(scale·QKᵀ) V`` for ``query, out: [B, H, L, E]``, ``key, value:
     [B, H, S, E]`` and the forward's ``logsumexp: [B, H, L]`` (float32), in the inputs' dtype."""
+    if _native(query, value):
+        return _native_backward(grad_out, query, key, value, out, logsumexp, scale)
     b, h, l, e = query.shape
     s = key.shape[-2]
     # A chunk is a few whole batch entries, or a few heads of one entry where one entry's scores are larger.
     heads = max(1, CHUNK_BYTES // (4 * l * s))
     batch_step, head_step = (max(1, heads // h), h) if heads >= h else (1, heads)
     grads = [_gradient_layout(t) for t in (query, key, value)]
-    fused = _fused_scores(query, value)
     deltas = row_dots(grad_out, out)
     for b0 in range(0, b, batch_step):
         for h0 in range(0, h, head_step):
             chunk = (slice(b0, b0 + batch_step), slice(h0, h0 + head_step))
             g, q, k, v = (t[chunk] for t in (grad_out, query, key, value))
-            delta, lse = deltas[chunk], logsumexp[chunk]
-            if fused:
-                probabilities, score_grad = attention_scores(q, k, g, v, lse, delta, scale)
-            else:
-                probabilities, score_grad = _scores(q, k, g, v, lse, delta, scale)
+            probabilities, score_grad = _scores(q, k, g, v, logsumexp[chunk], deltas[chunk], scale)
             g, q, k = (t.flatten(0, 1) for t in (g, q, k))
             chunk_grads = (
                 torch.bmm(score_grad, k),

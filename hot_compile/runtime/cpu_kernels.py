@@ -64,12 +64,12 @@ _SIGNATURES = {
     "hot_derivative_values": (_P, _I, _I, _I, _P),
     "hot_attention_probabilities": (_P, _P, _I, _I, _P, _P),
     "hot_attention_row_dots": (_P, _P, _I, _I, _I, _I, _I, _P, _P),
-    "hot_attention_scores_compiled": (),
-    "hot_attention_scores": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _F, _P, _P),
+    "hot_attention_backward_compiled": (),
+    "hot_attention_backward": (_P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _F, _P, _P, _P),
     "hot_gemm_engines": (),
     "hot_matmul_dequantize": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I, _I),
 }
-_RESULTS = {"hot_gemm_engines": ctypes.c_int64, "hot_attention_scores_compiled": ctypes.c_int64}
+_RESULTS = {"hot_gemm_engines": ctypes.c_int64, "hot_attention_backward_compiled": ctypes.c_int64}
 # The engines of cpu_gemm.cpp, as it numbers them.
 _GEMM_ENGINES = {"vnni": 1, "amx": 2}
 
