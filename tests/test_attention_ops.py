@@ -52,6 +52,33 @@ def test_products_backward_against_float64(query_shape, key_shape, value_dim, ch
         assert error <= tol.ATTENTION_PRODUCTS, error
 
 
+@pytest.fixture
+def threads():
+    """Runs the test body under each thread count it asks for, then restores torch's own."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 300, 16), (1, 3, 130, 16)])
+def test_native_backward_shares_few_heads_among_threads(shape, threads):
+    """With fewer heads than threads, the native kernel splits a head's query blocks among threads, each
+    summing its blocks' dK and dV, added in block order after all. Against float64 under 1 to 3 threads;
+    dQ's rows are whole in each block, so it is the same under any."""
+    if not attention_ops.bf16_attention_backward():
+        pytest.skip("the native attention backward needs AVX512-BF16")
+    grad, q, k, v, out, lse = _operands(shape, shape, shape[-1], torch.Generator().manual_seed(2))
+    exact = FLASH_CPU_BACKWARD(*(t.double() for t in (grad, q, k, v, out, lse)), 0.0, False)
+    query_grads = []
+    for count in (1, 2, 3):
+        threads(count)
+        grads = attention_ops.attention_backward(grad, q, k, v, out, lse, shape[-1] ** -0.5)
+        for got, want in zip(grads, exact):
+            assert ((got.double() - want).norm() / want.norm()).item() <= tol.ATTENTION_PRODUCTS
+        query_grads.append(grads[0])
+    assert all(torch.equal(dq, query_grads[0]) for dq in query_grads)
+
+
 def _not_called(*args):
     raise AssertionError("the stored score products ran where the native kernel should")
 
