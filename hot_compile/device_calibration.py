@@ -170,7 +170,7 @@ def _attention_seconds(dtype: torch.dtype, repeats: int):
 def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
     bandwidths, the per-call overhead, the fused attention's rate per dtype and which way runs its
-    half-precision backward fastest (bf16 or float32 kernel, or batched products), the
+    half-precision backward fastest (bf16 or float32 kernel, or products of the scores), the
     transform + quantize rate fitted to the compiled HQ op
     (see :func:`_fitted_transform_rate`), the derivative code's rounding rate
     (:func:`_stochastic_code_rate`), then the per-op overhead fitted to training steps of small

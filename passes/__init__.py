@@ -266,7 +266,7 @@ def _rewrite(graph: fx.Graph, config: HotConfig, weight_like: WeightLike, backwa
 def _attention_row(site: AttentionSite, decision: str, reason: str) -> SiteRow:
     numerics = {
         "float32": "float32 backward, gradients cast back",
-        "products": "batched products: float32 scores, P and dS rounded to bf16",
+        "products": "products of the scores: float32 scores, P and dS rounded to bf16",
     }
     return SiteRow(
         module=site.module_path,
@@ -281,7 +281,7 @@ def _attention_row(site: AttentionSite, decision: str, reason: str) -> SiteRow:
 
 def _plan_attention(graph: fx.Graph, config: HotConfig, backward: set[fx.Node], profiles: dict, created: list[fx.Node]):
     """Insert a faster backward beside each half-precision CPU attention backward where the device
-    profile says there is one (batched products, else float32); returns a row for each attention, and
+    profile says there is one (products of the scores, else float32); returns a row for each attention, and
     the (site, stand-ins) pairs to rewire once every other rewrite is built."""
     rows, replaced = [], []
     sites = find_attention_backwards(graph, backward)

@@ -5,7 +5,7 @@ bf16, and the backward (``_scaled_dot_product_flash_attention_for_cpu_backward``
 takes 1.3–1.8× as long as the float32 kernel with the casts of its inputs and outputs around it on
 Zen 4, and 1.3× (ViT-S's heads) to 3–4× (MiniLM's) on Sapphire Rapids, AMX's bf16 tiles
 notwithstanding (BENCHMARKS.md). Where the device profile says so, the backward runs instead
-- as batched products, a chunk of heads at a time (:mod:`hot_compile.runtime.attention_ops`), where
+- as products of its materialized scores (:mod:`hot_compile.runtime.attention_ops`), where
   that is faster still (:attr:`~hot_compile.runtime.devices.DeviceProfile.attention_backward_products`)
   and the attention has no mask, dropout or causal mask;
 - else in float32 on upcast inputs, its gradients cast back
@@ -111,12 +111,13 @@ def replace_attention_backward(graph: fx.Graph, site: AttentionSite, stand_ins: 
     graph.erase_node(site.node)
 
 
-# B·H·L·S·E of an attention below which its fused kernel stays the faster: the products op's dozen
-# calls per chunk are a fixed cost. Zen 4, the products' time over the float32 kernel's
-# (tools/attention_bench.py, score products fused): one thread 1.61 at 1·10⁶, 1.10 at 4·10⁶, 0.82 at
-# 1.7·10⁷, 0.70-0.78 from 1.2·10⁸; two threads 1.97, 0.80, 0.66, then 0.70-0.94. Set where a whole
-# bf16 step of the ViT task (1·10⁶) ran 5% slower with the products, before they were fused; no
-# whole step was measured between 4·10⁶ and 2²⁶.
+# B·H·L·S·E of an attention below which its fused kernel stays the faster. Zen 4, the products' time
+# over the float32 kernel's (tools/attention_bench.py): as chunks of heads from Python (score products
+# fused), one thread 1.61 at 1·10⁶, 1.10 at 4·10⁶, 0.82 at 1.7·10⁷, 0.70-0.78 from 1.2·10⁸; two
+# threads 1.97, 0.80, 0.66, then 0.70-0.94. As one native kernel, two threads 1.14 at 1·10⁶, 0.51 at
+# 4·10⁶, 0.47 at 1.7·10⁷, 0.42-0.46 from 2·10⁸. Set where a whole bf16 step of the ViT task (1·10⁶)
+# ran 5% slower with the products, before they were fused; no whole step was measured between 4·10⁶
+# and 2²⁶.
 MIN_PRODUCTS_WORK = 1 << 26
 
 
@@ -150,7 +151,7 @@ def why_not_products(site: AttentionSite) -> str | None:
 
 
 def products_attention_backward(graph: fx.Graph, site: AttentionSite, created: list[fx.Node]) -> list[fx.Node]:
-    """Insert ``site``'s backward as batched products; returns the nodes standing in for its three
+    """Insert ``site``'s backward as products of its scores; returns the nodes standing in for its three
     gradients (query, key, value)."""
     args = arguments(site.node)
     scale = args["scale"] if args.get("scale") is not None else site.shape[-1] ** -0.5

@@ -1,4 +1,4 @@
-"""The attention backward under bf16 autocast: as batched products, or in float32, where the device
+"""The attention backward under bf16 autocast: as products of the scores, or in float32, where the device
 profile says the bf16 kernel is the slower one (:mod:`hot_compile.passes.attention_precision`), with a
 row either way; and its mask, saved for it, kept exact."""
 

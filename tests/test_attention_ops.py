@@ -1,4 +1,4 @@
-"""The attention backward as batched products (:mod:`hot_compile.runtime.attention_ops`) against the
+"""The attention backward as products of the scores (:mod:`hot_compile.runtime.attention_ops`) against the
 flash-attention backward in float64, its elementwise kernel against float64's exponential, and the
 tool that times it against the fused kernels (``tools/attention_bench.py``)."""
 

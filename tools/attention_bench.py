@@ -1,6 +1,6 @@
 """The half-precision attention backward three ways, alone, at the bench models' heads and smaller
 ones: the bf16 flash kernel (Inductor's under autocast), the float32 flash kernel with the casts
-around it (``DeviceProfile.fp32_attention_backward``), and HOT's batched products
+around it (``DeviceProfile.fp32_attention_backward``), and HOT's products of the scores
 (``hot_compile.runtime.attention_ops``, ``DeviceProfile.attention_backward_products``). Calls are
 interleaved, so that a CPU whose rate moves from one second to the next moves all three alike. Each
 way's gradient error against the float64 kernel is reported beside its time: the evidence behind a

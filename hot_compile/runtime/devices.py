@@ -50,7 +50,7 @@ class DeviceProfile:
         fp32_attention_backward: the CPU's flash-attention backward runs faster in float32, with its
             operands upcast and its gradients cast back, than in bf16 (:mod:`~hot_compile.passes.attention_precision`).
         attention_backward_products: a half-precision attention backward without masks or dropout runs
-            faster as batched products (:mod:`~hot_compile.runtime.attention_ops`) than either fused
+            faster as products of its materialized scores (:mod:`~hot_compile.runtime.attention_ops`) than either fused
             kernel (:mod:`~hot_compile.passes.attention_precision`).
         int8_fused_epilogue: the integer product scales its int32 sums into the output as it goes, and
             writes no int32 product (HOT's own GEMM, :func:`~hot_compile.runtime.cpu_kernels.fused_gemm`);
