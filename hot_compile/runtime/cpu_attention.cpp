@@ -52,11 +52,8 @@ inline void probabilities_lanes(Float16x* x, const Float16x* score_grad, Out* p,
 template <typename Out>
 inline void probabilities_tail(Float16x x, Float16x score_grad, int64_t count, Out* p, Out* ds) {
   exp_lanes<1>(&x);
-  const Float16x d = x * score_grad;
-  for (int64_t j = 0; j < count; ++j) {
-    store(x[j], p + j);
-    store(d[j], ds + j);
-  }
+  store_lanes(x, count, p);
+  store_lanes(x * score_grad, count, ds);
 }
 
 // Vectors per call of probabilities_lanes: four chains hide the polynomial's latency on Zen 4.

@@ -125,15 +125,6 @@ void pair_rows(const BFloat16* x, int64_t rows, int64_t cols, int64_t row_stride
   }
 }
 
-// The first `count` lanes of v, rounded to bf16.
-inline void store_lanes(Float16x v, int64_t count, BFloat16* out) {
-  if (count >= 16) {
-    store16(v, out);
-  } else {
-    for (int64_t j = 0; j < count; ++j) store(v[j], out + j);
-  }
-}
-
 // A row of a product's float32 sums (`width` values) into a gradient: rounded once into out, after adding the
 // sums of earlier query blocks kept in acc (unless `first`), or, short of the `last` block, kept in acc.
 inline void gradient_row(const float* sums, int64_t width, float* acc, bool first, bool last, BFloat16* out) {

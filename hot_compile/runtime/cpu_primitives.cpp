@@ -114,6 +114,16 @@ inline void store16(Float16x v, _Float16* out) {
   std::memcpy(out, &halves, sizeof halves);
 }
 
+// The first `count` lanes of v (all 16 from 16 on), as store() stores each.
+template <typename Out>
+inline void store_lanes(Float16x v, int64_t count, Out* out) {
+  if (count >= 16) {
+    store16(v, out);
+  } else {
+    for (int64_t j = 0; j < count; ++j) store(v[j], out + j);
+  }
+}
+
 // |v| lane-wise, by the sign bit.
 inline Float16x magnitude(Float16x v) { return (Float16x)((Int16x)v & 0x7fffffff); }
 
