@@ -164,6 +164,9 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             kernel_overhead=4.3e-6,
             op_overhead=1.5e-4,
             fp32_attention_backward=True,  # bf16 1.3x slower at ViT-S's attention shapes, 3-4x at MiniLM's
+            # Not measured on this class: the native kernel runs on AVX512-BF16's pair products, which
+            # it has, and took 0.38-0.46 of the float32 kernel's time at ViT-S's heads on Zen 4.
+            attention_backward_products=True,
             # ViT-S's and MiniLM's heads: float32 103-109 GFLOP/s either way, bf16's forward 169-233
             # and its backward 23-80.
             attention_flops={"float32": 1.1e11, "bfloat16": 2.3e11},
