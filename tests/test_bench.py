@@ -14,6 +14,7 @@ import torch
 
 from hot_compile import cli
 from hot_compile.harness import bench, bench_cases, bench_report
+from tests import tool_scripts
 
 FIGURES = ("fwd_bwd_ms", "bwd_ms", "saved_bytes", "compile_s", "kernel_build_s", "model_compile_s", "grad_rel_err")
 
@@ -151,6 +152,30 @@ def test_a_run_records_the_allocator_settings_of_its_environment(monkeypatch, tm
     # The recorded command reproduces the run, environment included.
     command = bench.command_line(parser.parse_args(["--out", str(tmp_path)]), "python tools/bench.py")
     assert command.startswith(f"GLIBC_TUNABLES={tunables} python tools/bench.py --out ")
+
+
+def test_step_memory_records_the_allocator_settings_its_children_run_under(monkeypatch, tmp_path):
+    step_memory = tool_scripts.load("step_memory")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
+    commands = []
+
+    def child(command, **kwargs):
+        assert "env" not in kwargs  # each child inherits the settings it is recorded with
+        commands.append(command)
+        model, variant = command[command.index("--child") + 1 : command.index("--child") + 3]
+        mib = {"inductor-bf16": 400, "hot-bf16": 200}[variant] << 20
+        row = {"model": model, "variant": variant, "peak_rss_bytes": 2 * mib, "step_rss_growth_bytes": mib, "peak_live_bytes": mib, "saved_bytes": mib}
+        return argparse.Namespace(stdout=json.dumps(row) + "\n")
+
+    monkeypatch.setattr(step_memory.subprocess, "run", child)
+    step_memory.main(["--models", "vit", "--variants", "inductor-bf16,hot-bf16", "--out", str(tmp_path)])
+    assert [c[c.index("--child") + 2] for c in commands] == ["inductor-bf16", "hot-bf16"]
+    table = (tmp_path / "step_memory.md").read_text()
+    assert "allocator: `MALLOC_MMAP_THRESHOLD_=1048576`." in table
+    assert "`MALLOC_MMAP_THRESHOLD_=1048576 python tools/step_memory.py --models vit --variants inductor-bf16,hot-bf16 --out " in table
+    assert "| vit | hot-bf16 | 400 | 0.50 | 200 | 200 | 0.50 | 200.0 | 0.50 |" in table
+    recorded = json.loads((tmp_path / "step_memory.json").read_text())
+    assert recorded["machine"]["allocator_env"] == {"MALLOC_MMAP_THRESHOLD_": "1048576"} and len(recorded["rows"]) == 2
 
 
 def test_from_json_renders_several_runs_into_one_section(tmp_path):

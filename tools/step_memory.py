@@ -4,7 +4,9 @@
 mark, shared by all of them. Here each (model, variant) pair gets a fresh interpreter that builds the
 model, compiles it, runs warm-up steps, hands the heap's free memory back to the system
 (``malloc_trim``, so that what the compile and the warm-up steps left behind does not count), then
-resets the kernel's peak-RSS counter (``VmHWM``) and runs one more step. Reported: that step's peak
+resets the kernel's peak-RSS counter (``VmHWM``) and runs one more step. glibc's settings in the
+environment (``MALLOC_MMAP_THRESHOLD_``, ``GLIBC_TUNABLES``) reach every child and are written beside
+the command: how much of the heap a step's freed blocks leave unusable depends on them. Reported: that step's peak
 RSS, its growth over the RSS before the step, the most bytes of tensors the step holds at once (the
 CPU counterpart of CUDA's ``max_memory_allocated``, from a further step under ``torch.profiler``:
 no libraries, compiled code or allocator holdings in it), and the bytes saved for backward, with
@@ -56,8 +58,12 @@ def _child(model: str, variant: str, threads: int, hot_policy: str | None, compr
     }
 
 
-def _markdown(rows: list[dict], command: str) -> str:
+def _markdown(rows: list[dict], command: str, machine: dict) -> str:
+    from hot_compile.harness.bench_report import machine_line
+
     lines = [
+        machine_line(machine),
+        "",
         f"`{command}`",
         "",
         "| model | variant | peak RSS of a step MiB | vs baseline | step RSS growth MiB | peak live tensors MiB | vs baseline | saved for backward MiB | vs baseline |",
@@ -105,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_memory.json").write_text(json.dumps(rows, indent=2))
-    command = "python tools/step_memory.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
-    (args.out / "step_memory.md").write_text(_markdown(rows, command))
-    print(_markdown(rows, command))
+    machine = {**bench.machine_info(), "threads": args.threads}
+    (args.out / "step_memory.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    settings = [f"{name}={value}" for name, value in machine["allocator_env"].items()]
+    command = " ".join([*settings, "python tools/step_memory.py", *(argv if argv is not None else sys.argv[1:])])
+    (args.out / "step_memory.md").write_text(_markdown(rows, command, machine))
+    print(_markdown(rows, command, machine))
     return 0
 
 
