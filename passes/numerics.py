@@ -9,7 +9,7 @@ import torch
 from ..config import AUTO, HotConfig
 from ..runtime.devices import DeviceProfile
 from ..runtime.hadamard import lowpass_rows, padded_length
-from ..runtime.int8_gemm import gemm_path
+from ..runtime import int8_gemm
 from ..runtime.quant import qmax
 
 # What a row says of an integer product that does not run on the hardware's int8 GEMM.
@@ -56,6 +56,8 @@ def describe(path: str, site: HotConfig, config: HotConfig, module_path: str) ->
 def gemm_note(path: str, site: HotConfig, shapes: tuple[int, int, int], device: torch.device) -> str:
     """The integer GEMM a rewritten ``path`` product of an ``(L, N, K)`` linear runs, where it is not the
     device's int8 one (:func:`~hot_compile.runtime.int8_gemm.gemm_path`): a slower GEMM is never silent."""
+    if device.type == "cpu" and int8_gemm.CPU_INT8_INSTRUCTIONS:
+        return ""  # HOT's own VNNI or AMX GEMM, which runs every product where torch._int_mm is not exact
     l, n, k = shapes
     if path == "fwd":
         bits, contraction = site.forward_bits, padded_length(k)
@@ -63,4 +65,4 @@ def gemm_note(path: str, site: HotConfig, shapes: tuple[int, int, int], device: 
         bits, contraction = site.gx_bits, padded_length(n) if site.hadamard else n
     else:
         bits, contraction = site.gw_bits, lowpass_rows(l, site.rank)
-    return _GEMM_NOTES[gemm_path(device, contraction, qmax(bits), qmax(bits))]
+    return _GEMM_NOTES[int8_gemm.gemm_path(device, contraction, qmax(bits), qmax(bits))]

@@ -73,6 +73,7 @@ def pin_int8_path(monkeypatch, kind: str) -> None:
     if kind == "u8s8" and not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN's uint8 × int8 linear needs a torch build with oneDNN")
     monkeypatch.setattr(int8_gemm, "int8_gemm_kind", lambda device: kind)
+    monkeypatch.setattr(int8_gemm, "CPU_INT8_INSTRUCTIONS", kind == "int_mm")
     monkeypatch.setattr(cpu_kernels, "fused_gemm", lambda: "")
 
 

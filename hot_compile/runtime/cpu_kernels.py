@@ -40,6 +40,7 @@ import time
 
 import torch
 
+from . import int8_gemm
 from .aten_impl import DERIVATIVES, GIVEN, check_derivative, derivative_of
 from .devices import cache_root, cpu_identity
 from .quant import guard_scale, qmax
@@ -260,7 +261,8 @@ def quantize_columns(
 # HOT's VNNI GEMM packs B (K × N) at each call and saves the int32 product's round trip (M × N,
 # written then read). oneDNN's gemm behind torch._int_mm packs B faster, so where the product is short
 # and the contraction long (HLA's [384, 4096] × [4096, 1536] in MiniLM: 1.15× its time on Zen 4) it
-# wins. The fused GEMM runs where K ≤ 4·M; the bench models' other products near that line tie.
+# wins. The fused GEMM runs where K ≤ 4·M, and everywhere where torch._int_mm is not exact
+# (int8_gemm.int_mm_exact); the bench models' other products near that line tie.
 VNNI_CONTRACTION_PER_ROW = 4
 
 
@@ -298,7 +300,8 @@ def matmul_dequantized(
     col_ptr, col_stride = _scale_arg(col_scale)
     bias = None if bias is None else bias.to(torch.float32).contiguous()
     engine = fused_gemm()
-    if engine == "amx" or (engine == "vnni" and a.shape[1] <= VNNI_CONTRACTION_PER_ROW * m):
+    int_mm = int8_gemm.int8_gemm_kind(a.device) == "int_mm"
+    if engine == "amx" or (engine == "vnni" and (a.shape[1] <= VNNI_CONTRACTION_PER_ROW * m or not int_mm)):
         if m and n:
             lib.hot_matmul_dequantize(
                 a.data_ptr(), m, a.shape[1], a.stride(0), a.stride(1), b.data_ptr(), n, b.stride(0), b.stride(1),

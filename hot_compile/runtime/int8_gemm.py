@@ -4,6 +4,8 @@ values in pieces short enough to stay exact."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -15,7 +17,24 @@ INT8_MAX = 128
 # oneDNN's uint8 × int8 GEMM without VNNI adds adjacent products in saturating int16 (vpmaddubsw).
 INT16_MAX = 2**15 - 1
 # Read once: Dynamo does not trace into torch.cpu's feature queries.
-_CPU_HAS_INT8_GEMM = torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
+CPU_INT8_INSTRUCTIONS = torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def int_mm_exact() -> bool:
+    """Whether ``torch._int_mm`` sums int8 products exactly on this CPU. The CPU's features do not
+    settle it: oneDNN limited to an ISA without VNNI (``ONEDNN_MAX_CPU_ISA=AVX2`` or ``AVX512_CORE``)
+    runs its uint8 × int8 kernel, whose int16 pair sums saturate at full-range operands."""
+    a = torch.full((32, 64), 127, dtype=torch.int8)
+    return bool((torch._int_mm(a, a.t().contiguous()) == 64 * 127 * 127).all())
+
+
+_CPU_HAS_INT8_GEMM = CPU_INT8_INSTRUCTIONS and int_mm_exact()
+if CPU_INT8_INSTRUCTIONS and not _CPU_HAS_INT8_GEMM:
+    warnings.warn(
+        "hot_compile: torch._int_mm does not sum int8 products exactly in this process (oneDNN is limited to an ISA "
+        "without VNNI or AMX, e.g. by ONEDNN_MAX_CPU_ISA); HOT's integer products run on its own GEMM instead",
+        RuntimeWarning,
+    )
 _CPU_HAS_ONEDNN_U8S8 = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() in (
     "AVX2",
     "AVX512",
@@ -25,7 +44,8 @@ _CPU_HAS_ONEDNN_U8S8 = torch.backends.mkldnn.is_available() and torch.backends.c
 def int8_gemm_kind(device: torch.device) -> str:
     """The integer GEMM :func:`int8_matmul` has on ``device``:
 
-    * ``"int_mm"``: ``torch._int_mm`` in hardware, on GPUs and on CPUs with AVX512-VNNI or AMX;
+    * ``"int_mm"``: ``torch._int_mm`` in hardware, on GPUs and on CPUs with AVX512-VNNI or AMX where
+      it is exact (:func:`int_mm_exact`);
     * ``"u8s8"``: other x86 CPUs with oneDNN (AVX2). There ``torch._int_mm`` runs about 30× slower than
       an fp32 matmul, but oneDNN's uint8 × int8 linear runs 1.5–2× faster than one, and is exact for
       operands narrow enough that no int16 pair sum saturates (INT4 levels; :func:`u8s8_exact`);
