@@ -1,7 +1,10 @@
+import functools
+
 import pytest
 import torch
 from torch._inductor.utils import fresh_cache
 
+from tests import cpu_builds
 from tests.harness import pin_int8_path
 
 
@@ -34,3 +37,19 @@ def int8_path(request, monkeypatch):
 def native_int8(monkeypatch):
     """``torch._int_mm`` as the integer product, for tests that look for it in generated code."""
     pin_int8_path(monkeypatch, "int_mm")
+
+
+@pytest.fixture(params=["native", *cpu_builds.BUILDS])
+def cpu_build(request, monkeypatch):
+    """Runs a test of HOT's CPU kernels on this machine's build of their library, then on the builds
+    of the CPU classes below it (:mod:`tests.cpu_builds`): their vector code, which CI here would not
+    otherwise run."""
+    from hot_compile.runtime import attention_ops, cpu_kernels
+
+    if request.param != "native":
+        library = cpu_builds.library(request.param)
+        monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+        # What the runtime caches of the library, asked again of this build.
+        for module, name in ((cpu_kernels, "fused_gemm"), (attention_ops, "bf16_attention_backward")):
+            monkeypatch.setattr(module, name, functools.cache(getattr(module, name).__wrapped__))
+    return request.param

@@ -10,6 +10,8 @@ from hot_compile.runtime import attention_ops
 from tests import tolerances as tol
 from tests import tool_scripts
 
+pytestmark = pytest.mark.usefixtures("cpu_build")  # each test on each CPU class's build
+
 FLASH_CPU_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 

@@ -15,6 +15,8 @@ from tests.data import make, rel_err
 from tests.harness import aot_compile
 from tests.models import MLP
 
+pytestmark = pytest.mark.usefixtures("cpu_build")  # each test on each CPU class's build
+
 SEED = torch.tensor(5)
 
 
