@@ -9,7 +9,6 @@ import functools
 import pathlib
 import platform
 import subprocess
-import tempfile
 
 import pytest
 from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
@@ -22,19 +21,18 @@ BUILDS = {"avx2": ("x86-64-v3", VecAVX2(), "avx2"), "x86-64": ("x86-64", invalid
 
 
 @functools.cache
-def library(name: str) -> ctypes.CDLL:
-    """The library built with Inductor's own command for its C++ kernels (as
+def library(name: str, folder: pathlib.Path) -> ctypes.CDLL:
+    """The library built in ``folder`` with Inductor's own command for its C++ kernels (as
     :func:`hot_compile.runtime.cpu_kernels.compile_sources` builds it) but for the CPU class ``name``;
     the test is skipped where this machine cannot run that build."""
     march, isa, flag = BUILDS[name]
     if platform.machine() != "x86_64" or flag not in pathlib.Path("/proc/cpuinfo").read_text().split():
         pytest.skip(f"the {name} build of HOT's CPU library runs on x86-64 CPUs with {flag}")
-    folder = pathlib.Path(tempfile.mkdtemp(prefix=f"hot_cpu_{name}_"))
-    source = folder / "kernels.cpp"
+    source = folder / f"kernels_{name}.cpp"
     source.write_text("\n".join(p.read_text() for p in cpu_kernels._SOURCES))
     options = CppTorchDeviceOptions(vec_isa=isa, device_type="cpu", extra_flags=())
-    command = CppBuilder(name="kernels", sources=str(source), BuildOption=options, output_dir=str(folder)).get_command_line()
+    command = CppBuilder(name=source.stem, sources=str(source), BuildOption=options, output_dir=str(folder)).get_command_line()
     assert "-march=native" in command, command
-    subprocess.run(command.replace("-march=native", f"-march={march}"), shell=True, check=True, cwd=folder, capture_output=True)
-    return cpu_kernels.bind(ctypes.CDLL(str(folder / "kernels.so")))
-
+    done = subprocess.run(command.replace("-march=native", f"-march={march}"), shell=True, cwd=folder, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return cpu_kernels.bind(ctypes.CDLL(str(folder / f"{source.stem}.so")))
