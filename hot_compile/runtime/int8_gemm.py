@@ -25,7 +25,12 @@ def int_mm_exact() -> bool:
     settle it: oneDNN limited to an ISA without VNNI (``ONEDNN_MAX_CPU_ISA=AVX2`` or ``AVX512_CORE``)
     runs its uint8 × int8 kernel, whose int16 pair sums saturate at full-range operands."""
     a = torch.full((32, 64), 127, dtype=torch.int8)
-    return bool((torch._int_mm(a, a.t().contiguous()) == 64 * 127 * 127).all())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # importing the package starts no OpenMP workers
+    try:
+        return bool((torch._int_mm(a, a.t().contiguous()) == 64 * 127 * 127).all())
+    finally:
+        torch.set_num_threads(threads)
 
 
 _CPU_HAS_INT8_GEMM = CPU_INT8_INSTRUCTIONS and int_mm_exact()
