@@ -63,6 +63,11 @@ def allocator_env() -> dict[str, str]:
     return {name: os.environ[name] for name in ALLOCATOR_ENV if os.environ.get(name)}
 
 
+def allocator_assignments(env: dict[str, str]) -> list[str]:
+    """``env`` (:func:`allocator_env`) as the ``NAME=value`` words that start a command line reproducing a run."""
+    return [f"{name}={value}" for name, value in env.items()]
+
+
 def machine_info() -> dict[str, Any]:
     model, flags = platform.processor() or platform.machine(), set()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
@@ -281,7 +286,7 @@ def command_line(args: argparse.Namespace, prog: str) -> str:
     """The command that reproduces ``args``: the environment's allocator settings, ``prog``, and every
     setting that differs from the default."""
     spec, defaults = spec_from_args(args), BenchSpec()
-    parts = [f"{name}={value}" for name, value in allocator_env().items()] + shlex.split(prog)
+    parts = allocator_assignments(allocator_env()) + shlex.split(prog)
     for field in dataclasses.fields(BenchSpec):
         value = getattr(spec, field.name)
         if value == getattr(defaults, field.name):

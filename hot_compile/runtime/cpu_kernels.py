@@ -300,8 +300,8 @@ def matmul_dequantized(
     col_ptr, col_stride = _scale_arg(col_scale)
     bias = None if bias is None else bias.to(torch.float32).contiguous()
     engine = fused_gemm()
-    int_mm = int8_gemm.int8_gemm_kind(a.device) == "int_mm"
-    if engine == "amx" or (engine == "vnni" and (a.shape[1] <= VNNI_CONTRACTION_PER_ROW * m or not int_mm)):
+    short = a.shape[1] <= VNNI_CONTRACTION_PER_ROW * m
+    if engine == "amx" or (engine == "vnni" and (short or int8_gemm.int8_gemm_kind(a.device) != "int_mm")):
         if m and n:
             lib.hot_matmul_dequantize(
                 a.data_ptr(), m, a.shape[1], a.stride(0), a.stride(1), b.data_ptr(), n, b.stride(0), b.stride(1),
