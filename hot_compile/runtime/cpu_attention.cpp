@@ -14,11 +14,11 @@ inline void exp_lanes(Float16x* x) {
   Float16x n[K], r[K], p[K];
 #pragma GCC unroll 8
   for (int j = 0; j < K; ++j) {
-    const Float16x v = x[j] < -87.0f ? Float16x{} - 87.0f : x[j];
-    x[j] = v > 88.0f ? Float16x{} + 88.0f : v;
+    const Float16x v = SELECT(x[j] < -87.0f, Float16x{} - 87.0f, x[j]);
+    x[j] = SELECT(v > 88.0f, Float16x{} + 88.0f, v);
     const Float16x t = x[j] * 1.44269504088896341f + 0.5f;
-    n[j] = __builtin_convertvector(__builtin_convertvector(t, Int16x), Float16x);
-    n[j] = n[j] > t ? n[j] - 1.0f : n[j];  // the conversion truncates; n is floor(t)
+    n[j] = convert<Float16x>(convert<Int16x>(t));
+    n[j] = SELECT(n[j] > t, n[j] - 1.0f, n[j]);  // the conversion truncates; n is floor(t)
   }
 #pragma GCC unroll 8
   for (int j = 0; j < K; ++j) r[j] = x[j] - n[j] * 0.693359375f + n[j] * 2.12194440e-4f;
@@ -32,7 +32,7 @@ inline void exp_lanes(Float16x* x) {
 #pragma GCC unroll 8
   for (int j = 0; j < K; ++j) {
     p[j] = p[j] * r[j] * r[j] + r[j] + 1.0f;
-    x[j] = p[j] * (Float16x)((__builtin_convertvector(n[j], Int16x) + 127) << 23);
+    x[j] = p[j] * bitcast<Float16x>((convert<Int16x>(n[j]) + 127) << 23);
   }
 }
 

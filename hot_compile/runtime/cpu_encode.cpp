@@ -7,8 +7,8 @@ namespace {
 // The int8 levels of 16 values times `inverse` (1/s), rounded half to even, into out[0..16).
 inline void levels_of_row(Float16x inverse, Int16x top, const Float16x& v16, int8_t* out) {
   Int16x l = nearest_levels(v16 * inverse, top);
-  l = l > -top ? l : -top;
-  const Int8x16 levels = __builtin_convertvector(l, Int8x16);
+  l = SELECT(l > -top, l, -top);
+  const Int8x16 levels = convert<Int8x16>(l);
   std::memcpy(out, &levels, 16);
 }
 
@@ -73,6 +73,7 @@ struct Pieces {
 
   explicit Pieces(double (*f)(double)) {
     constexpr int N = DEGREE + 1;
+    float table[DEGREE + 1][PIECES];
     for (int i = 0; i < PIECES; ++i) {
       double a[N][N + 1];  // the Vandermonde system at the nodes, solved by Gauss-Jordan elimination
       for (int j = 0; j < N; ++j) {
@@ -89,42 +90,25 @@ struct Pieces {
           for (int k = c; k <= N; ++k) a[r][k] -= m * a[c][k];
         }
       }
-      for (int k = 0; k < N; ++k) coefficient[k][i] = float(a[k][N] / a[k][k]);
+      for (int k = 0; k < N; ++k) table[k][i] = float(a[k][N] / a[k][k]);
     }
+    for (int k = 0; k < N; ++k) coefficient[k] = load16(table[k]);
   }
 };
-
-// Each lane's entry of a 16-entry table, a permute. Without AVX-512's 16-lane permute, GCC would move
-// the lanes one at a time: two 8-lane permutes per half of the lanes instead (AVX2's vpermps).
-typedef float Float8x __attribute__((vector_size(32)));
-typedef int32_t Index8x __attribute__((vector_size(32)));
-inline Float16x lookup16(Float16x table, Int16x i) {
-#if defined(__AVX512F__)
-  return __builtin_shuffle(table, i);
-#else
-  Float8x halves[2], out[2];
-  Index8x index[2];
-  std::memcpy(halves, &table, sizeof table);
-  std::memcpy(index, &i, sizeof i);
-  for (int h = 0; h < 2; ++h) out[h] = __builtin_shuffle(halves[0], halves[1], index[h]);
-  Float16x result;
-  std::memcpy(&result, out, sizeof result);
-  return result;
-#endif
-}
 
 inline Float16x symmetric_derivative16(const Pieces& pieces, Float16x x) {
   const Float16x u = magnitude(x), position = u * (PIECES / SATURATION);
   // Past the table (u ≥ 6, ∞, NaN) the lane's sixteenth is any: its value is replaced below.
-  Int16x i = __builtin_convertvector(position, Int16x);
-  i = i < PIECES - 1 ? i : PIECES - 1;
-  i = i > 0 ? i : 0;
-  const Float16x s = 2.0f * (position - __builtin_convertvector(i, Float16x)) - 1.0f;
-  Float16x f = lookup16(pieces.coefficient[DEGREE], i);
-  for (int k = DEGREE - 1; k >= 0; --k) f = f * s + lookup16(pieces.coefficient[k], i);
-  f = u < SATURATION ? f : 1.0f;
-  const Float16x d = x < 0.0f ? 1.0f - f : f;
-  return x == x ? d : x;  // a NaN stays NaN
+  Int16x i = convert<Int16x>(position);
+  i = SELECT(i < PIECES - 1, i, Int16x{} + (PIECES - 1));
+  i = SELECT(i > 0, i, Int16x{});
+  const Float16x s = 2.0f * (position - convert<Float16x>(i)) - 1.0f;
+  // Each lane's coefficients, by a permute of the table.
+  Float16x f = permute(pieces.coefficient[DEGREE], i);
+  for (int k = DEGREE - 1; k >= 0; --k) f = f * s + permute(pieces.coefficient[k], i);
+  f = SELECT(u < SATURATION, f, Float16x{} + 1.0f);
+  const Float16x d = SELECT(x < 0.0f, 1.0f - f, f);
+  return SELECT(x == x, d, x);  // a NaN stays NaN
 }
 
 const Pieces& pieces_of(int64_t function) {
@@ -140,11 +124,11 @@ void derivative_row(int64_t function, const T* v, int64_t cols, float* out) {
   const int64_t whole = cols / 16 * 16;
   for (int64_t c = 0; c < whole; c += 16) {
     const Float16x f = symmetric_derivative16(pieces, load16(v + c));
-    std::memcpy(out + c, &f, sizeof f);
+    store16(f, out + c);
   }
   if (whole < cols) {
     const Float16x f = symmetric_derivative16(pieces, load16(v + whole, cols - whole));
-    std::memcpy(out + whole, &f, (cols - whole) * sizeof(float));
+    store_lanes(f, cols - whole, out + whole);
   }
 }
 
@@ -174,10 +158,10 @@ void code_row(const T* v, int64_t r, int64_t cols, uint32_t offset, uint8_t* cod
   lo_out[r] = lo;
   step_out[r] = step;
   auto vector = [&](int64_t c, Float16x noise) {
-    Int16x l = __builtin_convertvector((load16(v + c) - lo) * inverse + noise, Int16x);  // floor: v ≥ lo
-    l = l < int32_t(TOP) ? l : int32_t(TOP);
-    l = l > 0 ? l : 0;
-    const UInt8x16 bytes = __builtin_convertvector(l, UInt8x16);
+    Int16x l = convert<Int16x>((load16(v + c) - lo) * inverse + noise);  // floor: v ≥ lo
+    l = SELECT(l < int32_t(TOP), l, Int16x{} + int32_t(TOP));
+    l = SELECT(l > 0, l, Int16x{});
+    const UInt8x16 bytes = convert<UInt8x16>(l);
     std::memcpy(codes + c, &bytes, sizeof bytes);
   };
   auto scalar = [&](int64_t c, float noise) {

@@ -24,15 +24,15 @@ float load_hadamard_row(const T* x, int64_t n, int64_t stride, int64_t width, fl
   int64_t c = 0;
   for (; stride == 1 && c + 32 <= n; c += 32) {
     const Float16x v0 = hadamard16(load16(x + c)), v1 = hadamard16(load16(x + c + 16));
-    std::memcpy(row + c, &v0, sizeof v0);
-    std::memcpy(row + c + 16, &v1, sizeof v1);
+    store16(v0, row + c);
+    store16(v1, row + c + 16);
     m0 = max_magnitude(m0, v0);
     m1 = max_magnitude(m1, v1);
   }
   for (; c < n; c += 16) {
     const bool whole = stride == 1 && c + 16 <= n;
     const Float16x v = hadamard16(whole ? load16(x + c) : load16(x + c * stride, std::min<int64_t>(16, n - c), stride));
-    std::memcpy(row + c, &v, sizeof v);
+    store16(v, row + c);
     m0 = max_magnitude(m0, v);
   }
   std::fill(row + c, row + width, 0.0f);
@@ -140,7 +140,7 @@ void load_hadamard_tile(const T* x, int64_t row_stride, int64_t col_stride, int6
     Float16x v[BLOCK];
     hadamard_columns16(first, row_stride, col_stride, g, cols, v);
 #pragma GCC unroll 16
-    for (int64_t j = 0; j < BLOCK; ++j) std::memcpy(xb[j] + g, &v[j], sizeof v[j]);
+    for (int64_t j = 0; j < BLOCK; ++j) store16(v[j], xb[j] + g);
   }
 }
 
@@ -149,19 +149,11 @@ template <bool Sums>
 inline void accumulate(const float* y, int64_t cols, float* amax, float* abs_sum, float* sq_sum) {
   int64_t c = 0;
   for (; c + 16 <= cols; c += 16) {
-    Float16x v, m;
-    std::memcpy(&v, y + c, sizeof v);
-    std::memcpy(&m, amax + c, sizeof m);
-    m = max_magnitude(m, v);
-    std::memcpy(amax + c, &m, sizeof m);
+    const Float16x v = load16(y + c);
+    store16(max_magnitude(load16(amax + c), v), amax + c);
     if constexpr (Sums) {
-      Float16x s1, s2;
-      std::memcpy(&s1, abs_sum + c, sizeof s1);
-      std::memcpy(&s2, sq_sum + c, sizeof s2);
-      s1 += magnitude(v);
-      s2 += v * v;
-      std::memcpy(abs_sum + c, &s1, sizeof s1);
-      std::memcpy(sq_sum + c, &s2, sizeof s2);
+      store16(load16(abs_sum + c) + magnitude(v), abs_sum + c);
+      store16(load16(sq_sum + c) + v * v, sq_sum + c);
     }
   }
   for (; c < cols; ++c) {
@@ -185,7 +177,7 @@ void fold_hadamard_amax(const T* x, int64_t row_stride, int64_t col_stride, int6
     Float16x m = {};
     for (int64_t i = 0; i < count; ++i) m = max_magnitude(m, v[rows[i]]);
     float maxima[16];
-    std::memcpy(maxima, &m, sizeof maxima);
+    store16(m, maxima);
     accumulate<false>(maxima, std::min<int64_t>(16, cols - g), amax + g, nullptr, nullptr);
   }
 }

@@ -1,4 +1,4 @@
-"""HOT's transforms and quantizers on the CPU as fused native loops (``cpu_primitives.cpp``, ``cpu_kernels.cpp``,
+"""HOT's transforms and quantizers on the CPU as fused native loops (``cpu_vectors.cpp``, ``cpu_primitives.cpp``, ``cpu_kernels.cpp``,
 ``cpu_encode.cpp``, ``cpu_attention.cpp``, ``cpu_attention_native.cpp``,
 ``cpu_gemm.cpp``, ``cpu_gemm_engines.cpp``).
 
@@ -46,7 +46,7 @@ from .devices import cache_root, cpu_identity
 from .quant import guard_scale, qmax
 
 # One translation unit, in this order.
-_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp", "cpu_attention.cpp", "cpu_attention_native.cpp", "cpu_gemm.cpp", "cpu_gemm_engines.cpp"))
+_SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_vectors.cpp", "cpu_primitives.cpp", "cpu_kernels.cpp", "cpu_encode.cpp", "cpu_attention.cpp", "cpu_attention_native.cpp", "cpu_gemm.cpp", "cpu_gemm_engines.cpp"))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # aten_impl.encode_derivative's functions, as cpu_encode.cpp numbers them.
 _DERIVATIVES = {name: number for number, name in enumerate((GIVEN, *DERIVATIVES))}

@@ -1,6 +1,6 @@
 // HOT's transforms and quantizers for CPUs, fused so that each reads its operand once per pass: the
-// primitives (element types, the hash, rounding, the 16-point Hadamard transform). cpu_kernels.cpp
-// follows this file in one translation unit.
+// primitives (element types, the hash, rounding, the 16-point Hadamard transform), on the vectors of
+// cpu_vectors.cpp, which precedes this file in one translation unit; cpu_kernels.cpp follows it.
 //
 // Built at first use by Inductor's C++ toolchain (the flags and vector ISA of its own CPU kernels)
 // and cached on disk with its kernels; called through ctypes from hot_compile/runtime/cpu_kernels.py,
@@ -53,7 +53,7 @@ inline float to_float(_Float16 v) { return float(v); }
 // a NaN kept a quiet NaN.
 template <typename Word>
 inline Word bfloat16_bits(Word word) {
-  return (word & 0x7fffffffu) > 0x7f800000u ? (word >> 16) | 0x40u : (word + 0x7fffu + ((word >> 16) & 1u)) >> 16;
+  return SELECT((word & 0x7fffffffu) > 0x7f800000u, (word >> 16) | 0x40u, (word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
 }
 
 inline void store(float v, float* out) { *out = v; }
@@ -64,21 +64,8 @@ inline void store(float v, BFloat16* out) {
 }
 inline void store(float v, _Float16* out) { *out = _Float16(v); }
 
-// 16 lanes as one value: GCC's vector extension lowers each to one AVX-512 register or two AVX2 ones.
-typedef float Float16x __attribute__((vector_size(64)));
-typedef int32_t Int16x __attribute__((vector_size(64)));
-typedef uint32_t UInt16x __attribute__((vector_size(64)));
-typedef int8_t Int8x16 __attribute__((vector_size(16)));
-typedef uint8_t UInt8x16 __attribute__((vector_size(16)));
-typedef uint16_t UInt16x16 __attribute__((vector_size(32)));
-typedef _Float16 Half16x __attribute__((vector_size(32)));
-
 // 16 consecutive values as float lanes.
-inline Float16x load16(const float* x) {
-  Float16x v;
-  std::memcpy(&v, x, sizeof v);
-  return v;
-}
+inline Float16x load16(const float* x) { return vector_load<Float16x>(x); }
 inline Float16x load16(const BFloat16* x) {
 #if defined(__AVX512F__)
   // One widening load: GCC lowers the generic conversion below to two 256-bit halves and an insert.
@@ -87,13 +74,13 @@ inline Float16x load16(const BFloat16* x) {
 #else
   UInt16x16 bits;
   std::memcpy(&bits, x, sizeof bits);
-  return (Float16x)(__builtin_convertvector(bits, UInt16x) << 16);
+  return bitcast<Float16x>(convert<UInt16x>(bits) << 16);
 #endif
 }
 inline Float16x load16(const _Float16* x) {
   Half16x v;
   std::memcpy(&v, x, sizeof v);
-  return __builtin_convertvector(v, Float16x);
+  return convert<Float16x>(v);
 }
 // The first `count` ≤ 16 values `stride` apart, zero beyond.
 template <typename T>
@@ -104,13 +91,13 @@ inline Float16x load16(const T* x, int64_t count, int64_t stride = 1) {
 }
 
 // 16 lanes stored as store() stores each.
-inline void store16(Float16x v, float* out) { std::memcpy(out, &v, sizeof v); }
+inline void store16(Float16x v, float* out) { vector_store(v, out); }
 inline void store16(Float16x v, BFloat16* out) {
-  const UInt16x16 bits = __builtin_convertvector(bfloat16_bits((UInt16x)v), UInt16x16);
+  const UInt16x16 bits = convert<UInt16x16>(bfloat16_bits(bitcast<UInt16x>(v)));
   std::memcpy(out, &bits, sizeof bits);
 }
 inline void store16(Float16x v, _Float16* out) {
-  const Half16x halves = __builtin_convertvector(v, Half16x);
+  const Half16x halves = convert<Half16x>(v);
   std::memcpy(out, &halves, sizeof halves);
 }
 
@@ -125,7 +112,7 @@ inline void store_lanes(Float16x v, int64_t count, Out* out) {
 }
 
 // |v| lane-wise, by the sign bit.
-inline Float16x magnitude(Float16x v) { return (Float16x)((Int16x)v & 0x7fffffff); }
+inline Float16x magnitude(Float16x v) { return bitcast<Float16x>(bitcast<Int16x>(v) & 0x7fffffff); }
 
 // hot_compile/runtime/quant.py's hash_uniform: the noise of flat index `index` under `offset`
 // (seed·SEED_MULT + salt·SALT_MULT, mod 2**32). The values 32a + c and 32a + 16 + c (c < 16) share the
@@ -152,8 +139,8 @@ inline Uniform32 uniform32(uint32_t first, uint32_t offset) {
   const UInt16x lanes = UInt16x{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} * INDEX_MULT;
   const UInt16x h = mix32(lanes + ((first >> 1) * INDEX_MULT + offset));
   // 16-bit halves convert exactly through int32, which has a vector instruction on AVX2 too.
-  return {__builtin_convertvector((Int16x)(h & 0xffffu), Float16x) * (1.0f / 65536.0f),
-          __builtin_convertvector((Int16x)(h >> 16), Float16x) * (1.0f / 65536.0f)};
+  return {convert<Float16x>(bitcast<Int16x>(h & 0xffffu)) * (1.0f / 65536.0f),
+          convert<Float16x>(bitcast<Int16x>(h >> 16)) * (1.0f / 65536.0f)};
 }
 // Visits `count` values whose noise indices run from `first`: `vector(c, u)` for the 16 values from c
 // with their noise, `scalar(c, u)` for one value. Where the indices run through a whole multiple of 32,
@@ -197,8 +184,8 @@ inline int8_t level(float v, float inverse, float qmax, float noise) {
 inline Int16x nearest_levels(Float16x y, Int16x top) {
   // Adding and subtracting 1.5·2^23 rounds a float below 2^22 in magnitude half to even.
   const float round_even = 12582912.0f;
-  const Int16x l = __builtin_convertvector((y + round_even) - round_even, Int16x);
-  return l < top ? l : top;
+  const Int16x l = convert<Int16x>((y + round_even) - round_even);
+  return SELECT(l < top, l, top);
 }
 
 // Quantizes `count` values with `level`: 1/s per value (PerValue) or one for all; noise indices run
@@ -208,19 +195,17 @@ inline void quantize_span(const float* v, const float* inverse, int64_t count, f
                           uint32_t offset, int8_t* out) {
   const Int16x top = Int16x{} + int32_t(qmax), bottom = -top;
   auto vector = [&](int64_t c, Float16x noise) {
-    Float16x x, inv = Float16x{} + inverse[0];
-    std::memcpy(&x, v + c, sizeof x);
-    if constexpr (PerValue) std::memcpy(&inv, inverse + c, sizeof inv);
+    const Float16x x = load16(v + c), inv = PerValue ? load16(inverse + c) : Float16x{} + inverse[0];
     Int16x l;
     if constexpr (Stochastic) {
-      l = __builtin_convertvector(magnitude(x) * inv + noise, Int16x);  // floor, as |x|/s + u ≥ 0 (a NaN gives some int: see level)
-      l = l < top ? l : top;
-      l = x < 0 ? -l : l;
+      l = convert<Int16x>(magnitude(x) * inv + noise);  // floor, as |x|/s + u ≥ 0 (a NaN gives some int: see level)
+      l = SELECT(l < top, l, top);
+      l = SELECT(x < 0, -l, l);
     } else {
       l = nearest_levels(x * inv, top);
     }
-    l = l > bottom ? l : bottom;
-    const Int8x16 q = __builtin_convertvector(l, Int8x16);
+    l = SELECT(l > bottom, l, bottom);
+    const Int8x16 q = convert<Int8x16>(l);
     std::memcpy(out + c, &q, sizeof q);
   };
   auto scalar = [&](int64_t c, float noise) { out[c] = level<Stochastic>(v[c], PerValue ? inverse[c] : inverse[0], qmax, noise); };
@@ -265,7 +250,7 @@ inline float scale_of(float amax, float qmax) {
 
 // One butterfly stage of the Hadamard transform of 16 values held together: lane i becomes
 // x[i] + x[i ^ h] where bit h of i is clear, x[i ^ h] − x[i] where it is set (exact: the ±1 is a sign).
-inline Float16x butterfly(Float16x x, Int16x partner, Float16x sign) { return x * sign + __builtin_shuffle(x, partner); }
+inline Float16x butterfly(Float16x x, Int16x partner, Float16x sign) { return x * sign + permute(x, partner); }
 
 // A block of 16 values times the Hadamard matrix, H[i][j] = (-1)^popcount(i & j) (Sylvester order, as
 // hot_compile/runtime/hadamard.py builds it), in 4 stages of a shuffle and an add.
@@ -284,17 +269,17 @@ inline Float16x hadamard16(Float16x x) {
 // non-negative float orders as its bit pattern does, and a NaN's lies above Inf's, so one integer
 // max does what a float compare, a NaN test and a blend do.
 inline Float16x max_magnitude(Float16x m, Float16x v) {
-  const Int16x a = (Int16x)v & 0x7fffffff, b = (Int16x)m;
-  return (Float16x)(a > b ? a : b);
+  const Int16x a = bitcast<Int16x>(v) & 0x7fffffff, b = bitcast<Int16x>(m);
+  return bitcast<Float16x>(SELECT(a > b, a, b));
 }
 
 // The largest of lane-wise maxima that max_magnitude gathered, NaN if a lane is: a tree of shuffles,
 // without the branch per lane that a scalar loop compiles to (a cost per row, which short rows feel).
 inline float lanes_max(Float16x m) {
-  m = max_magnitude(m, __builtin_shuffle(m, Int16x{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  m = max_magnitude(m, __builtin_shuffle(m, Int16x{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-  m = max_magnitude(m, __builtin_shuffle(m, Int16x{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-  m = max_magnitude(m, __builtin_shuffle(m, Int16x{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+  m = max_magnitude(m, permute(m, Int16x{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  m = max_magnitude(m, permute(m, Int16x{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+  m = max_magnitude(m, permute(m, Int16x{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+  m = max_magnitude(m, permute(m, Int16x{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
   return m[0];
 }
 
