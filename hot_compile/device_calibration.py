@@ -4,6 +4,7 @@ micro-benchmarks and cached where :func:`hot_compile.runtime.devices.load_calibr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from typing import Callable
@@ -15,7 +16,7 @@ from .passes.attention_precision import FLASH_CPU_BACKWARD
 from .passes.cost_model import SiteCost, forward_cost, grad_input_cost, grad_weight_cost
 from .passes.cost_model import attention_flops as attention_flops_of
 from .passes.numerics import resolve_numerics
-from .runtime import cpu_kernels
+from .runtime import cpu_gemm, cpu_kernels
 from .runtime.attention_ops import attention_backward
 from .runtime.devices import DTYPES, DeviceProfile, cpu_identity
 from .runtime.hadamard import padded_length
@@ -167,6 +168,16 @@ def _attention_seconds(dtype: torch.dtype, repeats: int):
     return median_seconds(forward, repeats), backward, (grad, q, k, v, out, lse)
 
 
+def _own_gemm_ops(q: torch.Tensor, q_max: int, repeats: int) -> float:
+    """OP/s of the GEMM HOT's CPU ops run on codes like ``q`` (``[size, size]``, ``|q| ≤ q_max``), on a
+    contraction long enough that its output write is noise. ``int8_matmul`` is the path's own product
+    wherever the dispatch leaves a shape to it."""
+    size = q.shape[0]
+    a, b, ones = q.repeat(1, 4), q.repeat(4, 1), torch.ones(size)
+    product = functools.partial(int8_matmul, a_max=q_max, b_max=q_max)
+    return 8 * size**3 / median_seconds(lambda: cpu_gemm.matmul_dequantized(a, b, ones, ones, 1.0, torch.float32, product, b_max=q_max), repeats)
+
+
 def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
     """Measure this CPU: float and integer matmul rates (INT8 and INT4 operands), streaming
     bandwidths, the per-call overhead, the fused attention's rate per dtype and which way runs its
@@ -180,19 +191,17 @@ def calibrate_device(size: int = 1024, repeats: int = 15) -> DeviceProfile:
         a = torch.randn(size, size).to(getattr(torch, dtype))
         flops[dtype] = 2 * size**3 / median_seconds(lambda a=a: a @ a, repeats)
     q8 = torch.randint(-127, 128, (size, size), dtype=torch.int8)
-    fused_epilogue = bool(cpu_kernels.fused_gemm())
+    fused_epilogue = bool(cpu_gemm.gemm_engine())
     if fused_epilogue:
-        # The GEMM HOT's CPU ops run there, on a contraction long enough that its output write is noise.
-        a, b, ones = q8.repeat(1, 4), q8.repeat(4, 1), torch.ones(size)
-        # int8_matmul is the path's own product wherever the dispatch leaves a shape to it.
-        seconds = median_seconds(lambda: cpu_kernels.matmul_dequantized(a, b, ones, ones, 1.0, torch.float32, int8_matmul), repeats)
-        int8_ops = 8 * size**3 / seconds
+        int8_ops = _own_gemm_ops(q8, 127, repeats)
     else:
         int8_ops = 2 * size**3 / median_seconds(lambda: int8_matmul(q8, q8, 127, 127), repeats)
     narrow_int8_ops = None
-    if int8_gemm_kind(torch.device("cpu")) == "u8s8":
+    q4 = torch.randint(-7, 8, (size, size), dtype=torch.int8)
+    if cpu_gemm.gemm_engine(7) == "avx2":  # narrow operands run HOT's AVX2 GEMM, wider ones int8_matmul
+        narrow_int8_ops = _own_gemm_ops(q4, 7, repeats)
+    elif int8_gemm_kind(torch.device("cpu")) == "u8s8":
         # The GEMM alone: a compiled op's quantizer writes the shifted uint8 operand itself.
-        q4 = torch.randint(-7, 8, (size, size), dtype=torch.int8)
         (shifted, zero_point), weight = u8s8_operand(q4, 7), q4.t().contiguous()
         narrow_int8_ops = 2 * size**3 / median_seconds(lambda: u8s8_linear(shifted, zero_point, weight), repeats)
 

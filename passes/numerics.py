@@ -9,7 +9,7 @@ import torch
 from ..config import AUTO, HotConfig
 from ..runtime.devices import DeviceProfile
 from ..runtime.hadamard import lowpass_rows, padded_length
-from ..runtime import int8_gemm
+from ..runtime import cpu_gemm, int8_gemm
 from ..runtime.quant import qmax
 
 # What a row says of an integer product that does not run on the hardware's int8 GEMM.
@@ -19,6 +19,8 @@ _GEMM_NOTES = {
     "float32": "; GEMM: float32 on the integer values, exact (no int8 GEMM on this device)",
     "float32 pieces": "; GEMM: float32 on the integer values in exact pieces (no int8 GEMM on this device)",
 }
+# HOT's own CPU GEMM (cpu_gemm.gemm_engine), where it runs the product.
+_ENGINE_NOTES = {"amx": "", "vnni": "", "avx2": "; GEMM: HOT's uint8 × int8 on AVX2 (no VNNI/AMX int8 GEMM on this CPU)"}
 
 
 def resolve_numerics(config: HotConfig, profile: DeviceProfile) -> HotConfig:
@@ -55,9 +57,8 @@ def describe(path: str, site: HotConfig, config: HotConfig, module_path: str) ->
 
 def gemm_note(path: str, site: HotConfig, shapes: tuple[int, int, int], device: torch.device) -> str:
     """The integer GEMM a rewritten ``path`` product of an ``(L, N, K)`` linear runs, where it is not the
-    device's int8 one (:func:`~hot_compile.runtime.int8_gemm.gemm_path`): a slower GEMM is never silent."""
-    if device.type == "cpu" and int8_gemm.CPU_INT8_INSTRUCTIONS:
-        return ""  # HOT's own VNNI or AMX GEMM, which runs every product where torch._int_mm is not exact
+    device's int8 one: HOT's own CPU GEMM where it runs the product (on VNNI, ``torch._int_mm`` where it
+    leaves it), else :func:`~hot_compile.runtime.int8_gemm.gemm_path`'s. A slower GEMM is never silent."""
     l, n, k = shapes
     if path == "fwd":
         bits, contraction = site.forward_bits, padded_length(k)
@@ -65,4 +66,7 @@ def gemm_note(path: str, site: HotConfig, shapes: tuple[int, int, int], device: 
         bits, contraction = site.gx_bits, padded_length(n) if site.hadamard else n
     else:
         bits, contraction = site.gw_bits, lowpass_rows(l, site.rank)
+    engine = cpu_gemm.gemm_engine(qmax(bits)) if device.type == "cpu" else ""
+    if engine:
+        return _ENGINE_NOTES[engine]
     return _GEMM_NOTES[int8_gemm.gemm_path(device, contraction, qmax(bits), qmax(bits))]

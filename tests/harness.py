@@ -67,14 +67,14 @@ def aot_compile(model, config: HotConfig | None = None, pass_cls=HotJointPass, *
 def pin_int8_path(monkeypatch, kind: str) -> None:
     """Make ``int8_matmul`` take the integer GEMM ``kind`` (:func:`hot_compile.runtime.int8_gemm.int8_gemm_kind`:
     ``"int_mm"``, ``"u8s8"`` or ``"float"``) whatever this CPU has, and HOT's CPU ops call it (not their
-    own GEMM, :func:`hot_compile.runtime.cpu_kernels.fused_gemm`)."""
-    from hot_compile.runtime import cpu_kernels, int8_gemm
+    own GEMM, :func:`hot_compile.runtime.cpu_gemm.fused_gemm`)."""
+    from hot_compile.runtime import cpu_gemm, int8_gemm
 
     if kind == "u8s8" and not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN's uint8 × int8 linear needs a torch build with oneDNN")
     monkeypatch.setattr(int8_gemm, "int8_gemm_kind", lambda device: kind)
     monkeypatch.setattr(int8_gemm, "CPU_INT8_INSTRUCTIONS", kind == "int_mm")
-    monkeypatch.setattr(cpu_kernels, "fused_gemm", lambda: "")
+    monkeypatch.setattr(cpu_gemm, "fused_gemm", lambda: "")
 
 
 def assert_rewritten(report=None) -> None:

@@ -4,10 +4,12 @@
 make a training run's noise and levels the same on each class, so fidelity measured on one holds on
 the others."""
 
+import functools
+
 import pytest
 import torch
 
-from hot_compile.runtime import attention_ops, cpu_kernels, quant
+from hot_compile.runtime import attention_ops, cpu_gemm, cpu_kernels, int8_gemm, quant
 from tests import cpu_builds
 
 OFFSET = quant.noise_offset(5, 1)
@@ -33,6 +35,10 @@ def _kernel_outputs() -> list[torch.Tensor]:
             outs += cpu_kernels.encode_derivative(x, OFFSET, function, 4)
         outs += [cpu_kernels.derivative(x, "gelu"), cpu_kernels.derivative(x, "gelu_tanh")]
         outs += attention_ops.attention_probabilities(x.float() - 4, x.float(), dtype)
+    a = torch.randint(-128, 128, (300, 200), generator=torch.Generator().manual_seed(2)).to(torch.int8)
+    b = torch.randint(-64, 65, (200, 70), generator=torch.Generator().manual_seed(3)).to(torch.int8)
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):  # on each build's own GEMM, if it has one
+        outs.append(cpu_gemm.matmul_dequantized(a, b, torch.rand(300, generator=torch.Generator().manual_seed(4)), torch.linspace(0.5, 1.5, 70), 3, out_dtype, int8_gemm.int8_matmul, torch.linspace(-1, 1, 70), b_max=64))
     walsh = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(16)] for i in range(4)])
     dense = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
     for x in (_values(torch.float32)[:, :200], _values(torch.bfloat16)[:, :200], _values(torch.float32)[:200].t()):
@@ -45,11 +51,17 @@ def _kernel_outputs() -> list[torch.Tensor]:
     return outs
 
 
+def _use(library, monkeypatch) -> None:
+    """Run the kernels on ``library``, its GEMM engine asked again."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+    monkeypatch.setattr(cpu_gemm, "fused_gemm", functools.cache(cpu_gemm.fused_gemm.__wrapped__))
+
+
 @pytest.mark.parametrize("build", list(cpu_builds.BUILDS))
 def test_each_cpu_class_build_gives_this_machines_bits(build, monkeypatch, cpu_build_folder):
     library = cpu_builds.library(build, cpu_build_folder)
     expected = _kernel_outputs()
-    monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+    _use(library, monkeypatch)
     got = _kernel_outputs()
     assert len(got) == len(expected)
     for i, (a, b) in enumerate(zip(got, expected)):
@@ -58,3 +70,27 @@ def test_each_cpu_class_build_gives_this_machines_bits(build, monkeypatch, cpu_b
             bits = torch.int16 if a.element_size() == 2 else torch.int32
             a, b = a.view(bits), b.view(bits)
         assert torch.equal(a, b), f"output {i} differs on the {build} build"
+
+
+def test_the_avx2_engine_is_exact_at_its_bound_and_leaves_wider_operands(monkeypatch, cpu_build_folder):
+    """The AVX2 build's own GEMM sums pairs of products in int16: exact with A at its extremes and
+    ``|b| = 64`` (each pair 2 · 255 · 64 < 2^15 once A is offset by 128); for a wider ``b`` the product
+    runs ``matmul``."""
+    _use(cpu_builds.library("avx2", cpu_build_folder), monkeypatch)
+    assert cpu_gemm.fused_gemm() == "avx2"
+    signs = torch.randint(0, 2, (48 + 40, 320), generator=torch.Generator().manual_seed(0)).bool()
+    # Every pair of A's extremes next to every pair of ±64 in B: as uint8, A is 0 or 255.
+    a = torch.where(signs[:48], 127, -128).to(torch.int8)
+    b = torch.where(signs[48:], 64, -64).to(torch.int8).t()
+    calls = []
+
+    def matmul(x, y):
+        calls.append(x.shape)
+        return int8_gemm.int8_matmul(x, y)
+
+    ones = torch.ones(48), torch.ones(40)
+    exact = (a.double() @ b.double()).float()
+    assert torch.equal(cpu_gemm.matmul_dequantized(a, b, *ones, 1, torch.float32, matmul, b_max=64), exact)
+    assert calls == []
+    assert torch.equal(cpu_gemm.matmul_dequantized(a, b, *ones, 1, torch.float32, matmul, b_max=65), exact)
+    assert calls == [(48, 320)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hot_compile import HotConfig
-from hot_compile.runtime import aten_impl, cpu_kernels, hadamard, int8_gemm, ops, quant
+from hot_compile.runtime import aten_impl, cpu_gemm, cpu_kernels, hadamard, int8_gemm, ops, quant
 from tests import tolerances as tol
 from tests.data import make, rel_err
 from tests.harness import aot_compile
@@ -232,13 +232,13 @@ def test_noise_offset_is_the_hash_of_the_seed_and_salt():
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out_dtype):
-    monkeypatch.setattr(cpu_kernels, "fused_gemm", lambda: "")
-    monkeypatch.setattr(cpu_kernels, "MIN_CHUNK_ROWS", 16)
-    monkeypatch.setattr(cpu_kernels, "CHUNK_BYTES", 16 * 4 * 24)  # 16-row chunks of a [.., 24] product
+    monkeypatch.setattr(cpu_gemm, "fused_gemm", lambda: "")
+    monkeypatch.setattr(cpu_gemm, "MIN_CHUNK_ROWS", 16)
+    monkeypatch.setattr(cpu_gemm, "CHUNK_BYTES", 16 * 4 * 24)  # 16-row chunks of a [.., 24] product
     a = torch.randint(-127, 128, (100, 40), dtype=torch.int8)
     b = torch.randint(-127, 128, (40, 24), dtype=torch.int8)
     row_scale, col_scale = torch.rand(100, 1), torch.rand(1, 24)
-    out = cpu_kernels.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, int8_gemm.int8_matmul)
+    out = cpu_gemm.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, int8_gemm.int8_matmul)
     expected = (a.double() @ b.double()) * row_scale.double() * col_scale.double() / 16
     assert out.dtype == out_dtype
     assert rel_err(out, expected) < {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}[out_dtype]
@@ -247,63 +247,70 @@ def test_matmul_dequantized_scales_each_chunk_with_its_own_rows(monkeypatch, out
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(100, 40, 24), (64, 128, 64), (300, 200, 70), (33, 8, 17), (70, 2100, 40), (40, 8300, 40), (1300, 40, 24)])
 def test_fused_product_is_the_chunked_one_exactly(monkeypatch, out_dtype, shape):
-    """HOT's own GEMM (AMX or VNNI) against ``torch._int_mm`` and the chunked dequantize: the int32 sums
+    """HOT's own GEMM (AMX, VNNI or AVX2) against the chunked product and dequantize: the int32 sums
     are exact in both and the epilogue's arithmetic is the same, so every output is equal. The shapes
-    leave partial tiles along each dimension (32 or 12 rows, 64 contraction values, 32 columns a
+    leave partial tiles along each dimension (32, 12 or 3 rows, 64 contraction values, 32 columns a
     block), rows shared out in groups of unequal tile counts (1300 rows: several groups a thread),
-    and contractions summed in several chunks (the AMX engine's 1024, the VNNI engine's 4096),
+    and contractions summed in several chunks (the AMX engine's 1024, the others' 4096),
     and each operand is read row- and column-major (HLA's ``q(P g)ᵀ``, the forward's ``q(W)ᵀ``).
-    Operands reach -128, whose sign bit the VNNI engine flips to offset A."""
-    if not cpu_kernels.fused_gemm():  # asked here: the library loads under the session's cache (conftest)
-        pytest.skip("HOT's own GEMM needs AMX-INT8 or AVX512-VNNI and a build of the library with it")
-    monkeypatch.setattr(cpu_kernels, "VNNI_CONTRACTION_PER_ROW", math.inf)  # every shape on it, the long contractions too
+    A reaches -128, whose sign bit the VNNI and AVX2 engines flip to offset it; B reaches the engine's
+    bound (AVX2's: ±64)."""
+    engine = cpu_gemm.fused_gemm()  # asked here: the library loads under the session's cache (conftest)
+    if not engine:
+        pytest.skip("HOT's own GEMM needs AMX-INT8, AVX512-VNNI or AVX2 and a build of the library with it")
+    monkeypatch.setattr(cpu_gemm, "VNNI_CONTRACTION_PER_ROW", math.inf)  # every shape on it, the long contractions too
     m, k, n = shape
+    b_max = cpu_gemm.AVX2_B_MAX if engine == "avx2" else int8_gemm.INT8_MAX
     a = torch.randint(-128, 128, (m, k), dtype=torch.int8)
-    b = torch.randint(-128, 128, (k, n), dtype=torch.int8)
+    b = torch.randint(-b_max, min(b_max, 127) + 1, (k, n), dtype=torch.int8)
     row_scale, col_scale, bias = torch.rand(m, 1), torch.rand(n), torch.randn(n)
 
     def no_matmul(a, b):
         raise AssertionError("the chunked path ran where HOT's own GEMM should")
 
     def product(a, b, matmul=no_matmul, **bias_arg):
-        return cpu_kernels.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, matmul, **bias_arg)
+        return cpu_gemm.matmul_dequantized(a, b, row_scale, col_scale, 16, out_dtype, matmul, **bias_arg, b_max=b_max)
 
     fused = [product(x, y, bias=bias) for x in (a, a.t().contiguous().t()) for y in (b, b.t().contiguous().t())]
     fused_without_bias = product(a, b)
-    monkeypatch.setattr(cpu_kernels, "fused_gemm", lambda: "")
+    monkeypatch.setattr(cpu_gemm, "fused_gemm", lambda: "")
     expected = product(a, b, int8_gemm.int8_matmul, bias=bias)
     assert all(torch.equal(out, expected) for out in fused)
     assert torch.equal(fused_without_bias, product(a, b, int8_gemm.int8_matmul))
 
 
 def test_cpu_ops_run_the_fused_gemm_where_the_cpu_has_it(monkeypatch):
-    """With AMX or VNNI, HOT's ops call ``torch._int_mm`` for no product whose contraction is at most
-    4× its rows (here all of them), and their gradients are the chunked path's."""
-    if not cpu_kernels.fused_gemm():
-        pytest.skip("HOT's own GEMM needs AMX-INT8 or AVX512-VNNI and a build of the library with it")
+    """With AMX, VNNI or AVX2 (at 7 bits, within its bound), HOT's ops call neither ``torch._int_mm`` nor
+    any other integer product for a contraction at most 4× its rows (here all of them), and their
+    gradients are the chunked path's."""
+    engine = cpu_gemm.fused_gemm()
+    if not engine:
+        pytest.skip("HOT's own GEMM needs AMX-INT8, AVX512-VNNI or AVX2 and a build of the library with it")
+    bits = 7 if engine == "avx2" else 8
     g, w, x = make("gaussian", 100, 48, 0), make("gaussian", 48, 40, 1), make("gaussian", 100, 40, 2)
-    xq, xs = ops.compress_activation(x, 16, 8, True)
+    xq, xs = ops.compress_activation(x, 16, bits, True)
 
     def grads():
-        return ops.hq_grad_input(g, w, SEED, 8, 8, True, True, "per_channel"), ops.hla_grad_weight(g, xq, xs, SEED, 16, 8, True, torch.float32)
+        return ops.hq_grad_input(g, w, SEED, bits, bits, True, True, "per_channel"), ops.hla_grad_weight(g, xq, xs, SEED, 16, bits, True, torch.float32)
 
     with monkeypatch.context() as chunked:
-        chunked.setattr(cpu_kernels, "fused_gemm", lambda: "")
+        chunked.setattr(cpu_gemm, "fused_gemm", lambda: "")
         expected = grads()
 
-    def no_int_mm(*args):
-        raise AssertionError("torch._int_mm called where HOT's own GEMM runs")
+    def no_product(*args, **kwargs):
+        raise AssertionError("an integer product called where HOT's own GEMM runs")
 
-    monkeypatch.setattr(torch, "_int_mm", no_int_mm)
+    monkeypatch.setattr(torch, "_int_mm", no_product)
+    monkeypatch.setattr(int8_gemm, "int8_matmul", no_product)
     assert all(torch.equal(a, b) for a, b in zip(grads(), expected))
 
 
 def test_cpu_ops_run_the_fused_kernels(monkeypatch):
     """On the CPU each op runs its kernels, not the shape-generic compile of the composites."""
     calls = []
-    for name in ("quantize_rows", "column_amax", "quantize_columns", "matmul_dequantized"):
-        original = getattr(cpu_kernels, name)
-        monkeypatch.setattr(cpu_kernels, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    for module, name in ((cpu_kernels, "quantize_rows"), (cpu_kernels, "column_amax"), (cpu_kernels, "quantize_columns"), (cpu_gemm, "matmul_dequantized")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
     built = ops._build_seconds
     g, w, x = make("gaussian", 64, 48, 0), make("gaussian", 48, 32, 1), make("gaussian", 64, 32, 2)
     ops.hq_grad_input(g, w, SEED, 8, 8, True, True, "per_channel")
@@ -371,8 +378,8 @@ def test_vnni_gemm_leaves_long_contractions_of_few_rows_to_int_mm(monkeypatch):
     """On the VNNI engine a product whose contraction is over 4× its rows (HLA's ``[N, L] × [L, K]`` of a
     narrow layer) runs ``torch._int_mm`` in row chunks, whose packing of B is faster there; the AMX
     engine runs every product."""
-    if cpu_kernels.fused_gemm() != "vnni":
-        pytest.skip("the VNNI engine's dispatch: this CPU runs " + (cpu_kernels.fused_gemm() or "no engine of its own"))
+    if cpu_gemm.fused_gemm() != "vnni":
+        pytest.skip("the VNNI engine's dispatch: this CPU runs " + (cpu_gemm.fused_gemm() or "no engine of its own"))
     calls = []
     product = int8_gemm.int8_matmul
 
@@ -382,9 +389,9 @@ def test_vnni_gemm_leaves_long_contractions_of_few_rows_to_int_mm(monkeypatch):
 
     a = torch.randint(-127, 128, (16, 65), dtype=torch.int8)
     b = torch.randint(-127, 128, (65, 8), dtype=torch.int8)
-    long = cpu_kernels.matmul_dequantized(a, b, torch.ones(16), torch.ones(8), 1, torch.float32, counted)
+    long = cpu_gemm.matmul_dequantized(a, b, torch.ones(16), torch.ones(8), 1, torch.float32, counted)
     assert calls == [(16, 65)]
-    short = cpu_kernels.matmul_dequantized(a[:, :64], b[:64], torch.ones(16), torch.ones(8), 1, torch.float32, counted)
+    short = cpu_gemm.matmul_dequantized(a[:, :64], b[:64], torch.ones(16), torch.ones(8), 1, torch.float32, counted)
     assert calls == [(16, 65)]
     assert torch.equal(long, (a.double() @ b.double()).float())
     assert torch.equal(short, (a[:, :64].double() @ b[:64].double()).float())

@@ -15,23 +15,23 @@ from hot_compile.runtime import int8_gemm
 INT8_CPU = pytest.mark.skipif(not int8_gemm.CPU_INT8_INSTRUCTIONS, reason="needs a CPU with AVX512-VNNI or AMX")
 
 # A product whose contraction (200) is long for its rows (20): HOT's VNNI engine leaves such shapes to
-# torch._int_mm where that is exact (cpu_kernels.VNNI_CONTRACTION_PER_ROW).
+# torch._int_mm where that is exact (cpu_gemm.VNNI_CONTRACTION_PER_ROW).
 LIMITED_PROCESS = r"""
 import json, warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    from hot_compile.runtime import cpu_kernels, int8_gemm
+    from hot_compile.runtime import cpu_gemm, cpu_kernels, int8_gemm
 import torch
 torch.manual_seed(0)
 a = torch.randint(-127, 128, (20, 200), dtype=torch.int8)
 b = torch.randint(-127, 128, (200, 24), dtype=torch.int8)
 calls = []
 matmul = lambda x, y: calls.append(1) or int8_gemm.int8_matmul(x, y)
-out = cpu_kernels.matmul_dequantized(a, b, torch.ones(20), torch.ones(24), 1.0, torch.float32, matmul)
+out = cpu_gemm.matmul_dequantized(a, b, torch.ones(20), torch.ones(24), 1.0, torch.float32, matmul)
 print(json.dumps({
     "int_mm_exact": int8_gemm.int_mm_exact(),
     "kind": int8_gemm.int8_gemm_kind(torch.device("cpu")),
-    "engine": cpu_kernels.fused_gemm(),
+    "engine": cpu_gemm.fused_gemm(),
     "matmul_called": bool(calls),
     "error": (out.double() - a.double() @ b.double()).abs().max().item(),
     "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],

@@ -7,14 +7,15 @@
 // on AMX it runs oneDNN's gemm API on AVX512-VNNI, at about the rate of an AMX bf16 product. These
 // kernels take int8 operands of any strides and write the scaled output: the int32 sums stay in
 // registers or tiles, or, for a contraction longer than one chunk, in a panel of them that stays in L2.
-// Two engines share them:
+// Three engines share them:
 // * AMX tiles, where Inductor's vector ISA enables them (-mamx-tile -mamx-int8);
 // * AVX512-VNNI registers (-mavx512vnni). Its product multiplies unsigned by signed bytes, so A is
-//   packed as a + 128 and 128 · Σₖ b[k, n] is taken off each column's sums.
+//   packed as a + 128 and 128 · Σₖ b[k, n] is taken off each column's sums;
+// * AVX2 registers, on CPUs without VNNI, with A packed the same way: exact where |b| ≤ 64 (its
+//   products' pairs are summed in int16).
 // hot_gemm_engines() says which were compiled.
 
-#if defined(__AVX512VNNI__) || (defined(__AMX_TILE__) && defined(__AMX_INT8__))
-#include <immintrin.h>
+#if defined(__AVX2__)
 
 namespace {
 
@@ -79,14 +80,16 @@ void pack_a(const int8_t* a, int64_t first, int64_t count, int64_t k, int64_t sm
   const int64_t rows = (count + tile - 1) / tile * tile;
   const int8_t flip = offset ? int8_t(0x80) : 0;
   if (sk == 1) {
-    const __m512i bits = _mm512_set1_epi8(flip);
+    const __m256i bits = _mm256_set1_epi8(flip);
     for (int64_t r = 0; r < count; ++r) {
       const int8_t* row = a + (first + r) * sm;
       int8_t* out = packed + r * kp;
-      for (int64_t c = 0; c < k; c += 64) {
-        const __mmask64 lanes = k - c >= 64 ? ~__mmask64(0) : (__mmask64(1) << (k - c)) - 1;
-        _mm512_mask_storeu_epi8(out + c, lanes, _mm512_xor_si512(_mm512_maskz_loadu_epi8(lanes, row + c), bits));
+      int64_t c = 0;
+      for (; c + 32 <= k; c += 32) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), _mm256_xor_si256(v, bits));
       }
+      for (; c < k; ++c) out[c] = row[c] ^ flip;
       std::memset(out + k, 0, kp - k);
     }
   } else {
@@ -120,8 +123,8 @@ inline void block_epilogue(const int32_t* c, int64_t rows, int64_t cols, const f
       alignas(64) Out values[GEMM_N];
       dequantize_row(a, GEMM_N, s, column, bias, values);
       if (stream && (reinterpret_cast<uintptr_t>(o) & 63) == 0) {
-        for (size_t line = 0; line < sizeof values / 64; ++line) {
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(o) + line, _mm512_load_si512(reinterpret_cast<const __m512i*>(values) + line));
+        for (size_t half = 0; half < sizeof values / 32; ++half) {
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(o) + half, _mm256_load_si256(reinterpret_cast<const __m256i*>(values) + half));
         }
       } else {
         std::memcpy(o, values, sizeof values);

@@ -1,6 +1,5 @@
-"""HOT's transforms and quantizers on the CPU as fused native loops (``cpu_vectors.cpp``, ``cpu_primitives.cpp``, ``cpu_kernels.cpp``,
-``cpu_encode.cpp``, ``cpu_attention.cpp``, ``cpu_attention_native.cpp``,
-``cpu_gemm.cpp``, ``cpu_gemm_engines.cpp``).
+"""HOT's transforms and quantizers on the CPU as fused native loops (``cpu_vectors.cpp``, ``cpu_primitives.cpp``,
+``cpu_kernels.cpp``, ``cpu_encode.cpp``, ``cpu_attention.cpp``, ``cpu_attention_native.cpp``, ``cpu_gemm.cpp``, ``cpu_gemm_engines.cpp``).
 
 Compiled by Inductor, the aten composites of :mod:`hot_compile.runtime.aten_impl` spent most of a CPU backward
 outside the integer GEMM (the MLP block under bf16 autocast, Zen 4: 300 ms of 480, against 162 ms in
@@ -12,9 +11,8 @@ per-slice scale a second pass over it, and each dequantize a pass over a fresh i
 * :func:`quantize_columns` applies a ``[r, 16]`` basis to each block of 16 rows (the Hadamard
   matrix for HQ's weight, the low-pass Walsh rows for HLA and ABC) in two reads: the per-column
   statistics, then the quantization, recomputing the transform rather than storing it;
-* :func:`matmul_dequantized` runs the integer GEMM and scales its int32 sums into the output dtype,
-  so no product-sized int32 buffer is ever allocated: HOT's own GEMM (``cpu_gemm*.cpp``) on AMX tiles
-  or AVX512-VNNI registers, as :func:`fused_gemm` says, else ``torch._int_mm`` in row chunks;
+* :func:`hot_compile.runtime.cpu_gemm.matmul_dequantized` runs the integer GEMM and scales its int32
+  sums into the output dtype (HOT's own GEMM, ``cpu_gemm*.cpp``, or ``int8_matmul`` in row chunks);
 * :func:`encode_rows` and :func:`encode_derivative` code a saved activation (``compress_saved``) one
   row at a time, in two reads of the row: its range, then its codes.
 
@@ -29,7 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import functools
 import hashlib
 import os
 import pathlib
@@ -40,7 +37,6 @@ import time
 
 import torch
 
-from . import int8_gemm
 from .aten_impl import DERIVATIVES, GIVEN, check_derivative, derivative_of
 from .devices import cache_root, cpu_identity
 from .quant import guard_scale, qmax
@@ -50,9 +46,6 @@ _SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_vector
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # aten_impl.encode_derivative's functions, as cpu_encode.cpp numbers them.
 _DERIVATIVES = {name: number for number, name in enumerate((GIVEN, *DERIVATIVES))}
-# Rows of one integer GEMM chunk: its int32 product stays within a few MiB that the allocator reuses.
-CHUNK_BYTES = 4 << 20
-MIN_CHUNK_ROWS = 256
 
 _P, _I, _F, _U = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint32
 _SIGNATURES = {
@@ -71,8 +64,6 @@ _SIGNATURES = {
     "hot_matmul_dequantize": (_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _I, _P, _I, _F, _P, _P, _I, _I),
 }
 _RESULTS = {"hot_gemm_engines": ctypes.c_int64, "hot_attention_backward_compiled": ctypes.c_int64}
-# The engines of cpu_gemm.cpp, as it numbers them.
-_GEMM_ENGINES = {"vnni": 1, "amx": 2}
 
 # Seconds callers have waited for the library: the part of its build that did not overlap anything.
 build_seconds = 0.0
@@ -161,7 +152,7 @@ def dtype_code(t: torch.Tensor) -> int:
         raise TypeError(f"HOT's CPU kernels take float32, bfloat16 or float16 tensors, got {t.dtype}") from None
 
 
-def _scale_arg(scale: torch.Tensor | None) -> tuple[int | None, int]:
+def scale_arg(scale: torch.Tensor | None) -> tuple[int | None, int]:
     """A float32 scale's pointer and the stride to step it by (0 for one scale)."""
     if scale is None:
         return None, 0
@@ -196,7 +187,7 @@ def quantize_rows(
     return q, scale
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
@@ -218,8 +209,8 @@ def _column_statistics(x, basis, tail, out_rows, *, moments):
     amax = torch.empty(k)
     abs_sum, sq_sum = (torch.empty(k), torch.empty(k)) if moments else (None, None)
     lib.hot_cols_stats(
-        x.data_ptr(), code, n, k, x.stride(0), x.stride(1), basis.data_ptr(), _ptr(tail),
-        basis.shape[0], out_rows, amax.data_ptr(), _ptr(abs_sum), _ptr(sq_sum),
+        x.data_ptr(), code, n, k, x.stride(0), x.stride(1), basis.data_ptr(), pointer(tail),
+        basis.shape[0], out_rows, amax.data_ptr(), pointer(abs_sum), pointer(sq_sum),
     )  # fmt: skip
     return amax, abs_sum, sq_sum
 
@@ -249,76 +240,13 @@ def quantize_columns(
     lib, code = library(), dtype_code(x)
     n, k = x.shape
     q = torch.empty(k, out_rows, dtype=torch.int8).t() if column_major else torch.empty(out_rows, k, dtype=torch.int8)
-    scale_ptr, scale_stride = _scale_arg(scale)
+    scale_ptr, scale_stride = scale_arg(scale)
     lib.hot_cols_quantize(
-        x.data_ptr(), code, n, k, x.stride(0), x.stride(1), basis.data_ptr(), _ptr(tail),
+        x.data_ptr(), code, n, k, x.stride(0), x.stride(1), basis.data_ptr(), pointer(tail),
         basis.shape[0], out_rows, scale_ptr, scale_stride,
         qmax(bits), int(stochastic), offset, q.data_ptr(), q.stride(0), q.stride(1),
     )  # fmt: skip
     return q
-
-
-# HOT's VNNI GEMM packs B (K × N) at each call and saves the int32 product's round trip (M × N,
-# written then read). oneDNN's gemm behind torch._int_mm packs B faster, so where the product is short
-# and the contraction long (HLA's [384, 4096] × [4096, 1536] in MiniLM: 1.15× its time on Zen 4) it
-# wins. The fused GEMM runs where K ≤ 4·M, and everywhere where torch._int_mm is not exact
-# (int8_gemm.int_mm_exact); the bench models' other products near that line tie.
-VNNI_CONTRACTION_PER_ROW = 4
-
-
-@functools.cache
-def fused_gemm() -> str:
-    """The engine of HOT's own integer GEMM (``cpu_gemm.cpp``) that :func:`matmul_dequantized` runs:
-    ``"amx"`` where the library was built with AMX and the OS lets this process use it, else
-    ``"vnni"`` where it was built with AVX512-VNNI, else ``""``: ``matmul`` in row chunks."""
-    engines = library().hot_gemm_engines()
-    if engines & _GEMM_ENGINES["amx"] and torch.cpu._init_amx():
-        return "amx"
-    return "vnni" if engines & _GEMM_ENGINES["vnni"] else ""
-
-
-def matmul_dequantized(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    row_scale: torch.Tensor,
-    col_scale: torch.Tensor,
-    divisor: float,
-    out_dtype: torch.dtype,
-    matmul,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``matmul(a, b) · row_scale · col_scale / divisor (+ bias)`` in ``out_dtype``: ``a: [M, K]``,
-    ``b: [K, N]`` int8 (any strides), ``matmul`` their exact int32 product
-    (:func:`hot_compile.runtime.int8_gemm.int8_matmul`; where :func:`fused_gemm`, HOT's own GEMM computes
-    the same exact sums instead and ``matmul`` is not called), ``row_scale`` ``[M]``-sized or one value,
-    ``col_scale`` ``[N]``-sized or one value (float32, contiguous), ``bias`` ``[N]`` of any float dtype."""
-    lib = library()
-    m, n = a.shape[0], b.shape[1]
-    out = torch.empty(m, n, dtype=out_dtype)
-    code = dtype_code(out)
-    row_ptr, row_stride = _scale_arg(row_scale)
-    col_ptr, col_stride = _scale_arg(col_scale)
-    bias = None if bias is None else bias.to(torch.float32).contiguous()
-    engine = fused_gemm()
-    short = a.shape[1] <= VNNI_CONTRACTION_PER_ROW * m
-    if engine == "amx" or (engine == "vnni" and (short or int8_gemm.int8_gemm_kind(a.device) != "int_mm")):
-        if m and n:
-            lib.hot_matmul_dequantize(
-                a.data_ptr(), m, a.shape[1], a.stride(0), a.stride(1), b.data_ptr(), n, b.stride(0), b.stride(1),
-                row_ptr, row_stride, col_ptr, col_stride, divisor, _ptr(bias), out.data_ptr(), code,
-                _GEMM_ENGINES[engine],
-            )  # fmt: skip
-        return out
-    rows = max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * max(n, 1)))
-    for start in range(0, m, rows):
-        stop = min(m, start + rows)
-        acc = matmul(a[start:stop], b)
-        offset_ptr = row_ptr + 4 * start * row_stride
-        lib.hot_dequantize(
-            acc.data_ptr(), stop - start, n, acc.stride(0), offset_ptr, row_stride, col_ptr, col_stride,
-            divisor, _ptr(bias), out[start:stop].data_ptr(), code,
-        )  # fmt: skip
-    return out
 
 
 def _rows_of(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:

@@ -53,7 +53,7 @@ class DeviceProfile:
             faster as products of its materialized scores (:mod:`~hot_compile.runtime.attention_ops`) than either fused
             kernel (:mod:`~hot_compile.passes.attention_precision`).
         int8_fused_epilogue: the integer product scales its int32 sums into the output as it goes, and
-            writes no int32 product (HOT's own GEMM, :func:`~hot_compile.runtime.cpu_kernels.fused_gemm`);
+            writes no int32 product (HOT's own GEMM, :func:`~hot_compile.runtime.cpu_gemm.fused_gemm`);
             ``int8_ops`` is then that kernel's rate.
         stochastic_code_rate: values/s that a stochastic code of a saved value (the derivative code of
             :mod:`~hot_compile.passes.saved_activations`) rounds, beyond its reads and writes: a hash per
@@ -182,12 +182,15 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             op_overhead=1e-4,  # fitted on training steps of small layers (device_calibration.OVERHEAD_LAYERS)
             fp32_attention_backward=True,  # bf16 1.3-1.8x slower at ViT-S's and MiniLM's attention shapes
             attention_backward_products=True,  # 0.70-0.94x the float32 kernel's time at ViT-S's and MiniLM's heads
-            # int8_fused_epilogue stays off although HOT's VNNI GEMM fuses it here (cpu_kernels.fused_gemm):
+            # int8_fused_epilogue stays off although HOT's VNNI GEMM fuses it here (cpu_gemm.fused_gemm):
             # priced so, the products would look cheaper and the tasks' decisions would change (MiniLM's
             # most of all), which their fidelity runs have not covered; the estimates stay pessimistic.
         ),
         DeviceProfile(
-            name="cpu-avx2-2core",  # AMD EPYC, AVX2 only: INT4 products on oneDNN's u8s8 GEMM, INT8 on fp32
+            # AMD EPYC, AVX2 only. narrow_int8_ops is oneDNN's u8s8 GEMM's, measured before HOT's AVX2 GEMM
+            # ran those products (0.53-0.68x its time with the dequantize, built for AVX2 on Zen 4): a
+            # pessimistic rate until this class is calibrated again. INT8 products run on float32.
+            name="cpu-avx2-2core",
             matmul_flops={"float32": 1.6e11, "bfloat16": 9.6e8, "float16": 8.8e8},
             int8_ops=1.3e11,
             read_bw=3.7e10,

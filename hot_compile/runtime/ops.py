@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch._dynamo.utils import counters
 
-from . import aten_impl, cpu_kernels, int8_gemm
+from . import aten_impl, cpu_gemm, cpu_kernels, int8_gemm
 from .hadamard import BLOCK, hadamard_matrix, lowpass_rows, padded_length, tail_basis, walsh_basis
 from .quant import guard_scale, noise_offset, qmax, sawb_clip_of_moments
 
@@ -262,8 +262,12 @@ def _basis(kind: str, rank: int = BLOCK) -> Tensor:
     return walsh_basis(rank)
 
 
-def _integer_product(a_bits: int, b_bits: int) -> Callable[[Tensor, Tensor], Tensor]:
-    return functools.partial(int8_gemm.int8_matmul, a_max=qmax(a_bits), b_max=qmax(b_bits))
+def _dequantized_product(
+    a: Tensor, b: Tensor, a_bits: int, b_bits: int, row_scale: Tensor, col_scale: Tensor, divisor: int, out_dtype: torch.dtype, bias: Tensor | None = None
+) -> Tensor:
+    """:func:`cpu_gemm.matmul_dequantized` of ``a_bits``- and ``b_bits``-bit codes."""
+    product = functools.partial(int8_gemm.int8_matmul, a_max=qmax(a_bits), b_max=qmax(b_bits))
+    return cpu_gemm.matmul_dequantized(a, b, row_scale, col_scale, divisor, out_dtype, product, bias, b_max=qmax(b_bits))
 
 
 def _quantize_by_columns(
@@ -317,8 +321,7 @@ def _(grad_output, weight, seed, grad_bits, weight_bits, per_token, hadamard, we
     offset = noise_offset(seed, aten_impl.SALT_GRAD_INPUT)
     qg, sg = cpu_kernels.quantize_rows(g2, grad_bits, width=width, hadamard=hadamard, per_row=per_token, offset=offset)
     qw, sw = _quantize_weight(weight, width, weight_bits, weight_quantizer, hadamard, seed)
-    product = _integer_product(grad_bits, weight_bits)
-    out = cpu_kernels.matmul_dequantized(qg, qw, sg, sw, BLOCK if hadamard else 1, grad_output.dtype, product)
+    out = _dequantized_product(qg, qw, grad_bits, weight_bits, sg, sw, BLOCK if hadamard else 1, grad_output.dtype)
     return out.view(*grad_output.shape[:-1], k)
 
 
@@ -346,8 +349,7 @@ def _(grad_output, x_q, x_scale, seed, rank, bits, per_channel, out_dtype):
         g2, basis, tail, rows, bits, per_column=per_channel, stochastic=True, offset=offset, column_major=True
     )
     # grad_W = q(P g)ᵀ q(P x): the rows of the product are g's channels, scaled by g's scales.
-    product = _integer_product(bits, bits)
-    return cpu_kernels.matmul_dequantized(qg.t(), x_q, scale, x_scale.contiguous(), BLOCK, out_dtype, product)
+    return _dequantized_product(qg.t(), x_q, bits, bits, scale, x_scale.contiguous(), BLOCK, out_dtype)
 
 
 @int8_linear.register_kernel("cpu")
@@ -357,6 +359,5 @@ def _(x, weight, bias, bits):
     rows = dict(bits=bits, width=width, hadamard=True, per_row=True, stochastic=False)
     qx, sx = cpu_kernels.quantize_rows(x.reshape(-1, k), **rows)
     qw, sw = cpu_kernels.quantize_rows(weight, **rows)
-    product = _integer_product(bits, bits)
-    out = cpu_kernels.matmul_dequantized(qx, qw.t(), sx, sw, BLOCK, x.dtype, product, bias=bias)
+    out = _dequantized_product(qx, qw.t(), bits, bits, sx, sw, BLOCK, x.dtype, bias)
     return out.view(*x.shape[:-1], n)
