@@ -20,9 +20,9 @@ FIGURES = ("fwd_bwd_ms", "bwd_ms", "saved_bytes", "compile_s", "kernel_build_s",
 
 
 @pytest.fixture(autouse=True)
-def _no_allocator_settings(monkeypatch):
-    # A run records the allocator settings of its environment; the tests' runs start without any.
-    for name in bench.ALLOCATOR_ENV:
+def _no_recorded_settings(monkeypatch):
+    # A run records the allocator and CPU-class settings of its environment; the tests' runs start without any.
+    for name in bench.ALLOCATOR_ENV + bench.CPU_CLASS_ENV:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -152,6 +152,18 @@ def test_a_run_records_the_allocator_settings_of_its_environment(monkeypatch, tm
     # The recorded command reproduces the run, environment included.
     command = bench.command_line(parser.parse_args(["--out", str(tmp_path)]), "python tools/bench.py")
     assert command.startswith(f"GLIBC_TUNABLES={tunables} python tools/bench.py --out ")
+
+
+def test_a_run_as_another_cpu_class_says_so_and_its_command_reproduces_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOT_CPU_CLASS", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    recorded = _recorded("mlp", "2026-01-01")
+    assert recorded["machine"]["cpu_class_env"] == {"HOT_CPU_CLASS": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert "Run as the avx2 CPU class: `HOT_CPU_CLASS=avx2` `ONEDNN_MAX_CPU_ISA=AVX2`." in bench_report.markdown(recorded)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    command = bench.command_line(parser.parse_args(["--out", str(tmp_path)]), "python tools/bench.py")
+    assert command.startswith("HOT_CPU_CLASS=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python tools/bench.py --out ")
 
 
 def test_step_memory_records_the_allocator_settings_its_children_run_under(monkeypatch, tmp_path):

@@ -5,6 +5,7 @@ make a training run's noise and levels the same on each class, so fidelity measu
 the others."""
 
 import functools
+import pathlib
 
 import pytest
 import torch
@@ -94,3 +95,22 @@ def test_the_avx2_engine_is_exact_at_its_bound_and_leaves_wider_operands(monkeyp
     assert calls == []
     assert torch.equal(cpu_gemm.matmul_dequantized(a, b, *ones, 1, torch.float32, matmul, b_max=65), exact)
     assert calls == [(48, 320)]
+
+
+def test_hot_cpu_class_runs_that_class_build_and_profile(monkeypatch, tmp_path):
+    """``HOT_CPU_CLASS=avx2`` makes HOT load its AVX2 build (kept apart from this machine's, and
+    without VNNI's engine even on a CPU that has it) and cost with the AVX2 class's profile."""
+    from hot_compile.runtime import devices
+
+    if "avx2" not in pathlib.Path("/proc/cpuinfo").read_text().split():
+        pytest.skip("the AVX2 class's code runs on CPUs with AVX2")
+    monkeypatch.setenv("HOT_CACHE_DIR", str(tmp_path))
+    native_path = cpu_kernels.library_path()
+    monkeypatch.setenv("HOT_CPU_CLASS", "avx2")
+    assert devices.resolve_profile(torch.device("cpu")).name == "cpu-avx2-2core"
+    assert cpu_kernels.library_path() != native_path
+    library = cpu_kernels._load()
+    assert library.hot_gemm_engines() == cpu_gemm._GEMM_ENGINES["avx2"] and cpu_kernels.library_path().exists()
+    monkeypatch.setenv("HOT_CPU_CLASS", "avx3")
+    with pytest.raises(ValueError, match="HOT_CPU_CLASS='avx3'"):
+        cpu_kernels.library_path()

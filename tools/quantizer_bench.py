@@ -52,13 +52,14 @@ def _kernels(x: torch.Tensor) -> dict:
 
 
 def library_at(revision: str):
-    """HOT's C++ library built from the sources of git revision ``revision``, as this tree's is built."""
+    """HOT's C++ library built from the sources of git revision ``revision``, as this tree's is built:
+    the files of this tree's translation unit that the revision has, in their order."""
     root = pathlib.Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip())
-    sources = [
-        subprocess.run(["git", "show", f"{revision}:{path.resolve().relative_to(root.resolve())}"], capture_output=True, text=True, check=True).stdout
+    shown = [
+        subprocess.run(["git", "show", f"{revision}:{path.resolve().relative_to(root.resolve())}"], capture_output=True, text=True)
         for path in cpu_kernels._SOURCES
     ]
-    return cpu_kernels.bind(cpu_kernels.compile_sources(sources))
+    return cpu_kernels.bind(cpu_kernels.compile_library([done.stdout for done in shown if done.returncode == 0]))
 
 
 def _on(library, call):

@@ -56,15 +56,28 @@ _BASELINE = "inductor-fp32"
 # glibc's mmap threshold (32 MiB at most) is mapped fresh and faults on every page at its first write;
 # the tunables that keep freed memory in the heap change a step's time, so a run records them.
 ALLOCATOR_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+# Environment variables that run a lower CPU class's code (README, "Benchmarks"): HOT's
+# (hot_compile.runtime.devices.cpu_class) and torch's own kernels kept to that class's instructions.
+CPU_CLASS_ENV = ("HOT_CPU_CLASS", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+def _environment(names: tuple[str, ...]) -> dict[str, str]:
+    return {name: os.environ[name] for name in names if os.environ.get(name)}
 
 
 def allocator_env() -> dict[str, str]:
     """The allocator settings of this process's environment (:data:`ALLOCATOR_ENV` that are set)."""
-    return {name: os.environ[name] for name in ALLOCATOR_ENV if os.environ.get(name)}
+    return _environment(ALLOCATOR_ENV)
+
+
+def cpu_class_env() -> dict[str, str]:
+    """The CPU-class settings of this process's environment (:data:`CPU_CLASS_ENV` that are set)."""
+    return _environment(CPU_CLASS_ENV)
 
 
 def allocator_assignments(env: dict[str, str]) -> list[str]:
-    """``env`` (:func:`allocator_env`) as the ``NAME=value`` words that start a command line reproducing a run."""
+    """``env`` (:func:`allocator_env`, :func:`cpu_class_env`) as the ``NAME=value`` words that start a
+    command line reproducing a run."""
     return [f"{name}={value}" for name, value in env.items()]
 
 
@@ -85,6 +98,7 @@ def machine_info() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "allocator_env": allocator_env(),
+        "cpu_class_env": cpu_class_env(),
     }
 
 
@@ -286,7 +300,7 @@ def command_line(args: argparse.Namespace, prog: str) -> str:
     """The command that reproduces ``args``: the environment's allocator settings, ``prog``, and every
     setting that differs from the default."""
     spec, defaults = spec_from_args(args), BenchSpec()
-    parts = allocator_assignments(allocator_env()) + shlex.split(prog)
+    parts = allocator_assignments(allocator_env() | cpu_class_env()) + shlex.split(prog)
     for field in dataclasses.fields(BenchSpec):
         value = getattr(spec, field.name)
         if value == getattr(defaults, field.name):

@@ -39,12 +39,16 @@ def _run_line(run: dict[str, Any]) -> str:
 
 def machine_line(m: dict[str, Any]) -> str:
     """The Markdown line that names the machine of :func:`machine_info` ``m``."""
-    return (
+    line = (
         f"Machine: {m['cpu']} ({m['cores']} cores; {', '.join(m['isa']) or 'no AVX-512'}), torch {m['torch']}, "
         f"{m['threads']} threads; allocator: "
         + (" ".join(f"`{k}={v}`" for k, v in m.get("allocator_env", {}).items()) or "glibc malloc defaults")
         + "."
     )
+    env = m.get("cpu_class_env", {})
+    if env.get("HOT_CPU_CLASS"):
+        line += f" Run as the {env['HOT_CPU_CLASS']} CPU class: " + " ".join(f"`{k}={v}`" for k, v in env.items()) + "."
+    return line
 
 
 def markdown(result: dict[str, Any], command: str | None = None) -> str:

@@ -31,6 +31,7 @@ import hashlib
 import os
 import pathlib
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -38,7 +39,7 @@ import time
 import torch
 
 from .aten_impl import DERIVATIVES, GIVEN, check_derivative, derivative_of
-from .devices import cache_root, cpu_identity
+from .devices import CPU_CLASSES, cache_root, cpu_class, cpu_identity
 from .quant import guard_scale, qmax
 
 # One translation unit, in this order.
@@ -72,9 +73,9 @@ _build_lock = threading.Lock()
 
 
 def library_path() -> pathlib.Path:
-    """Where this machine's build of the library is kept: named by its sources and the machine
-    (CPU model, core count, torch version), as Inductor compiles for the host's vector ISA."""
-    digest = hashlib.sha256(cpu_identity().encode())
+    """Where this machine's build of the library is kept: named by its sources, the machine (CPU model,
+    core count, torch version), as Inductor compiles for the host's vector ISA, and the CPU class built for."""
+    digest = hashlib.sha256(f"{cpu_identity()}|{cpu_class()}".encode())
     for source in _SOURCES:
         digest.update(source.read_bytes())
     return cache_root() / f"cpu_kernels_{digest.hexdigest()[:24]}.so"
@@ -100,6 +101,26 @@ def compile_sources(sources: list[str]) -> ctypes.CDLL:
     return CppCodeCache.load("\n".join(sources), device_type="cpu")
 
 
+def compile_for_class(sources: list[str], name: str, folder: pathlib.Path) -> ctypes.CDLL:
+    """The library built from ``sources`` in ``folder`` with Inductor's command for its C++ kernels, as
+    :func:`compile_sources` builds it, but for the CPU class ``name`` of
+    :data:`~hot_compile.runtime.devices.CPU_CLASSES`: its ``-march`` for ``-march=native`` and its
+    vector ISA; unbound."""
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchDeviceOptions
+    from torch._inductor.cpu_vec_isa import VecAVX2, invalid_vec_isa
+
+    source = folder / f"hot_cpu_kernels_{name}.cpp"
+    source.write_text("\n".join(sources))
+    options = CppTorchDeviceOptions(vec_isa=VecAVX2() if name == "avx2" else invalid_vec_isa, device_type="cpu", extra_flags=())
+    command = CppBuilder(name=source.stem, sources=str(source), BuildOption=options, output_dir=str(folder)).get_command_line()
+    if "-march=native" not in command:
+        raise RuntimeError(f"Inductor's C++ command has no -march=native to build the {name} class's library for: {command}")
+    done = subprocess.run(command.replace("-march=native", f"-march={CPU_CLASSES[name][0]}"), shell=True, cwd=folder, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"building HOT's CPU library for the {name} class failed:\n{done.stderr}")
+    return ctypes.CDLL(str(folder / f"{source.stem}.so"))
+
+
 def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     """``library`` with the argument and result types of each exported kernel set."""
     for name, argtypes in _SIGNATURES.items():
@@ -108,13 +129,27 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
+def compile_library(sources: list[str], keep: pathlib.Path | None = None) -> ctypes.CDLL:
+    """The library built from ``sources`` for the CPU class HOT runs (:func:`~hot_compile.runtime.devices.cpu_class`),
+    unbound; a copy kept at ``keep``, where given."""
+    if cpu_class() == "native":
+        library = compile_sources(sources)
+        if keep is not None:
+            _keep(library._name, keep)
+        return library
+    with tempfile.TemporaryDirectory() as folder:
+        library = compile_for_class(sources, cpu_class(), pathlib.Path(folder))
+        if keep is not None:
+            _keep(library._name, keep)
+        return library
+
+
 def _load() -> ctypes.CDLL:
     path = library_path()
     try:
         library = ctypes.CDLL(str(path))
     except OSError:
-        library = compile_sources([p.read_text() for p in _SOURCES])
-        _keep(library._name, path)
+        library = compile_library([p.read_text() for p in _SOURCES], keep=path)
     return bind(library)
 
 

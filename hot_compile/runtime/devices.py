@@ -24,6 +24,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 # glibc's largest mmap threshold on 64-bit systems: a CPU buffer above it is a fresh mapping on every
 # allocation, whose pages fault on first touch; below it, freed memory is reused from the heap.
 MMAP_THRESHOLD_BYTES = 32 << 20
+# The CPU classes below this machine's whose code HOT can run here instead (env HOT_CPU_CLASS): GCC's
+# -march for its build of the CPU library, the CPU flag that build needs, and the class's built-in
+# profile. An AVX-512 machine so measures and tests the AVX2 class's code, its torch kernels kept to AVX2
+# by their own settings (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA).
+CPU_CLASSES = {"avx2": ("x86-64-v3", "avx2", "cpu-avx2-2core"), "x86-64": ("x86-64", "sse2", "cpu-generic")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +254,17 @@ def cpu_identity() -> str:
     return f"{model}|{flags}|{os.cpu_count()}cpu|torch-{torch.__version__}"
 
 
+def cpu_class() -> str:
+    """The CPU class HOT runs the code of: env ``HOT_CPU_CLASS`` (one of :data:`CPU_CLASSES`), else
+    ``"native"``, this machine's own."""
+    name = os.environ.get("HOT_CPU_CLASS") or "native"
+    if name != "native" and name not in CPU_CLASSES:
+        raise ValueError(f"HOT_CPU_CLASS={name!r}: HOT builds for {', '.join(CPU_CLASSES)} (or native)")
+    if name != "native" and CPU_CLASSES[name][1] not in _cpu_flags():
+        raise ValueError(f"HOT_CPU_CLASS={name!r}: this CPU has no {CPU_CLASSES[name][1]}, which that class's code needs")
+    return name
+
+
 def cache_root() -> pathlib.Path:
     """HOT's own cache folder on this machine, ``~/.cache/hot_compile`` (env ``HOT_CACHE_DIR`` moves it):
     what outlives Inductor's cache (the calibrated profile, the CPU kernels' library)."""
@@ -272,7 +288,8 @@ def load_calibrated() -> DeviceProfile | None:
 
 
 def resolve_profile(device: torch.device, name: str = "auto") -> DeviceProfile:
-    """The profile to cost ``device`` with: ``name`` if given, else this machine's calibration, else
+    """The profile to cost ``device`` with: ``name`` if given, else the built-in profile of the CPU class
+    HOT runs (:func:`cpu_class`) where it is not this machine's, else this machine's calibration, else
     the built-in profile matching the CPU's features or the GPU's name, else a generic one."""
     if name != "auto":
         if name == "calibrated":
@@ -284,6 +301,8 @@ def resolve_profile(device: torch.device, name: str = "auto") -> DeviceProfile:
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device) if torch.cuda.is_available() else ""
         return BUILTIN_PROFILES[next((p for key, p in _GPU_NAMES if key in gpu), "gpu-generic")]
+    if cpu_class() != "native":
+        return BUILTIN_PROFILES[CPU_CLASSES[cpu_class()][2]]
     calibrated = load_calibrated()
     if calibrated is not None:
         return calibrated
