@@ -193,7 +193,7 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
         ),
         DeviceProfile(
             # AMD EPYC, AVX2 only. narrow_int8_ops is oneDNN's u8s8 GEMM's, measured before HOT's AVX2 GEMM
-            # ran those products (0.53-0.68x its time with the dequantize, built for AVX2 on Zen 4): a
+            # ran those products (0.51-0.77x its time with the dequantize, as the AVX2 class on Zen 4): a
             # pessimistic rate until this class is calibrated again. INT8 products run on float32.
             name="cpu-avx2-2core",
             matmul_flops={"float32": 1.6e11, "bfloat16": 9.6e8, "float16": 8.8e8},
