@@ -10,6 +10,7 @@ from ..config import AUTO, HotConfig
 from ..runtime.devices import DeviceProfile
 from ..runtime.hadamard import lowpass_rows, padded_length
 from ..runtime import cpu_gemm, int8_gemm
+from ..runtime.devices import cpu_class
 from ..runtime.quant import qmax
 
 # What a row says of an integer product that does not run on the hardware's int8 GEMM.
@@ -66,6 +67,10 @@ def gemm_note(path: str, site: HotConfig, shapes: tuple[int, int, int], device: 
         bits, contraction = site.gx_bits, padded_length(n) if site.hadamard else n
     else:
         bits, contraction = site.gw_bits, lowpass_rows(l, site.rank)
+    if device.type == "cpu" and int8_gemm.CPU_INT8_INSTRUCTIONS and cpu_class() == "native":
+        # This CPU's build has the VNNI or AMX engine, which runs or leaves to torch._int_mm every
+        # product: answered without waiting, in the pass, for the library the pass starts building.
+        return ""
     engine = cpu_gemm.gemm_engine(qmax(bits)) if device.type == "cpu" else ""
     if engine:
         return _ENGINE_NOTES[engine]

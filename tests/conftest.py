@@ -1,5 +1,3 @@
-import functools
-
 import pytest
 import torch
 from torch._inductor.utils import fresh_cache
@@ -49,12 +47,6 @@ def cpu_build(request, monkeypatch, cpu_build_folder):
     """Runs a test of HOT's CPU kernels on this machine's build of their library, then on the builds
     of the CPU classes below it (:mod:`tests.cpu_builds`): their vector code, which CI here would not
     otherwise run."""
-    from hot_compile.runtime import attention_ops, cpu_gemm, cpu_kernels
-
     if request.param != "native":
-        library = cpu_builds.library(request.param, cpu_build_folder)
-        monkeypatch.setattr(cpu_kernels, "library", lambda: library)
-        # What the runtime caches of the library, asked again of this build.
-        for module, name in ((cpu_gemm, "fused_gemm"), (attention_ops, "bf16_attention_backward")):
-            monkeypatch.setattr(module, name, functools.cache(getattr(module, name).__wrapped__))
+        cpu_builds.use(cpu_builds.library(request.param, cpu_build_folder), monkeypatch)
     return request.param

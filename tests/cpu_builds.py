@@ -8,12 +8,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import pathlib
-import platform
 
 import pytest
 
-from hot_compile.runtime import cpu_kernels
-from hot_compile.runtime.devices import CPU_CLASSES
+from hot_compile.runtime import attention_ops, cpu_gemm, cpu_kernels
+from hot_compile.runtime.devices import CPU_CLASSES, runs_here
 
 BUILDS = tuple(CPU_CLASSES)
 
@@ -23,7 +22,13 @@ def library(name: str, folder: pathlib.Path) -> ctypes.CDLL:
     """The library built in ``folder`` for the CPU class ``name``
     (:func:`hot_compile.runtime.cpu_kernels.compile_for_class`); the test is skipped where this machine
     cannot run that build."""
-    flag = CPU_CLASSES[name][1]
-    if platform.machine() != "x86_64" or flag not in pathlib.Path("/proc/cpuinfo").read_text().split():
-        pytest.skip(f"the {name} build of HOT's CPU library runs on x86-64 CPUs with {flag}")
+    if not runs_here(name):
+        pytest.skip(f"the {name} build of HOT's CPU library runs on x86-64 CPUs with {CPU_CLASSES[name][1]}")
     return cpu_kernels.bind(cpu_kernels.compile_for_class([p.read_text() for p in cpu_kernels._SOURCES], name, folder))
+
+
+def use(library: ctypes.CDLL, monkeypatch) -> None:
+    """Run HOT's CPU ops on ``library``, with what the runtime caches of the library asked again of it."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: library)
+    for module, name in ((cpu_gemm, "fused_gemm"), (attention_ops, "bf16_attention_backward")):
+        monkeypatch.setattr(module, name, functools.cache(getattr(module, name).__wrapped__))

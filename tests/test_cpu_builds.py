@@ -4,8 +4,6 @@
 make a training run's noise and levels the same on each class, so fidelity measured on one holds on
 the others."""
 
-import functools
-import pathlib
 
 import pytest
 import torch
@@ -52,17 +50,11 @@ def _kernel_outputs() -> list[torch.Tensor]:
     return outs
 
 
-def _use(library, monkeypatch) -> None:
-    """Run the kernels on ``library``, its GEMM engine asked again."""
-    monkeypatch.setattr(cpu_kernels, "library", lambda: library)
-    monkeypatch.setattr(cpu_gemm, "fused_gemm", functools.cache(cpu_gemm.fused_gemm.__wrapped__))
-
-
 @pytest.mark.parametrize("build", list(cpu_builds.BUILDS))
 def test_each_cpu_class_build_gives_this_machines_bits(build, monkeypatch, cpu_build_folder):
     library = cpu_builds.library(build, cpu_build_folder)
     expected = _kernel_outputs()
-    _use(library, monkeypatch)
+    cpu_builds.use(library, monkeypatch)
     got = _kernel_outputs()
     assert len(got) == len(expected)
     for i, (a, b) in enumerate(zip(got, expected)):
@@ -77,7 +69,7 @@ def test_the_avx2_engine_is_exact_at_its_bound_and_leaves_wider_operands(monkeyp
     """The AVX2 build's own GEMM sums pairs of products in int16: exact with A at its extremes and
     ``|b| = 64`` (each pair 2 · 255 · 64 < 2^15 once A is offset by 128); for a wider ``b`` the product
     runs ``matmul``."""
-    _use(cpu_builds.library("avx2", cpu_build_folder), monkeypatch)
+    cpu_builds.use(cpu_builds.library("avx2", cpu_build_folder), monkeypatch)
     assert cpu_gemm.fused_gemm() == "avx2"
     signs = torch.randint(0, 2, (48 + 40, 320), generator=torch.Generator().manual_seed(0)).bool()
     # Every pair of A's extremes next to every pair of ±64 in B: as uint8, A is 0 or 255.
@@ -102,7 +94,7 @@ def test_hot_cpu_class_runs_that_class_build_and_profile(monkeypatch, tmp_path):
     without VNNI's engine even on a CPU that has it) and cost with the AVX2 class's profile."""
     from hot_compile.runtime import devices
 
-    if "avx2" not in pathlib.Path("/proc/cpuinfo").read_text().split():
+    if not devices.runs_here("avx2"):
         pytest.skip("the AVX2 class's code runs on CPUs with AVX2")
     monkeypatch.setenv("HOT_CACHE_DIR", str(tmp_path))
     native_path = cpu_kernels.library_path()

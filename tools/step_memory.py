@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     machine = {**bench.machine_info(), "threads": args.threads}
     (args.out / "step_memory.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
-    settings = bench.allocator_assignments(machine["allocator_env"] | machine.get("cpu_class_env", {}))
+    settings = bench.env_assignments(machine["allocator_env"] | machine.get("cpu_class_env", {}))
     command = " ".join([*settings, "python tools/step_memory.py", *(argv if argv is not None else sys.argv[1:])])
     (args.out / "step_memory.md").write_text(_markdown(rows, command, machine))
     print(_markdown(rows, command, machine))

@@ -75,7 +75,7 @@ def cpu_class_env() -> dict[str, str]:
     return _environment(CPU_CLASS_ENV)
 
 
-def allocator_assignments(env: dict[str, str]) -> list[str]:
+def env_assignments(env: dict[str, str]) -> list[str]:
     """``env`` (:func:`allocator_env`, :func:`cpu_class_env`) as the ``NAME=value`` words that start a
     command line reproducing a run."""
     return [f"{name}={value}" for name, value in env.items()]
@@ -300,7 +300,7 @@ def command_line(args: argparse.Namespace, prog: str) -> str:
     """The command that reproduces ``args``: the environment's allocator settings, ``prog``, and every
     setting that differs from the default."""
     spec, defaults = spec_from_args(args), BenchSpec()
-    parts = allocator_assignments(allocator_env() | cpu_class_env()) + shlex.split(prog)
+    parts = env_assignments(allocator_env() | cpu_class_env()) + shlex.split(prog)
     for field in dataclasses.fields(BenchSpec):
         value = getattr(spec, field.name)
         if value == getattr(defaults, field.name):

@@ -254,13 +254,18 @@ def cpu_identity() -> str:
     return f"{model}|{flags}|{os.cpu_count()}cpu|torch-{torch.__version__}"
 
 
+def runs_here(name: str) -> bool:
+    """Whether this CPU can run the code of the CPU class ``name`` of :data:`CPU_CLASSES`."""
+    return platform.machine() == "x86_64" and CPU_CLASSES[name][1] in _cpu_flags()
+
+
 def cpu_class() -> str:
     """The CPU class HOT runs the code of: env ``HOT_CPU_CLASS`` (one of :data:`CPU_CLASSES`), else
     ``"native"``, this machine's own."""
     name = os.environ.get("HOT_CPU_CLASS") or "native"
     if name != "native" and name not in CPU_CLASSES:
         raise ValueError(f"HOT_CPU_CLASS={name!r}: HOT builds for {', '.join(CPU_CLASSES)} (or native)")
-    if name != "native" and CPU_CLASSES[name][1] not in _cpu_flags():
+    if name != "native" and not runs_here(name):
         raise ValueError(f"HOT_CPU_CLASS={name!r}: this CPU has no {CPU_CLASSES[name][1]}, which that class's code needs")
     return name
 
