@@ -21,8 +21,8 @@ OVERRIDABLE = (
 GX_QUANTIZERS = ("per_token", "per_tensor")
 WEIGHT_QUANTIZERS = ("per_channel", "stochastic", "sawb")
 GW_QUANTIZERS = ("per_channel", "per_tensor")
-# gx_bits / forward_bits "auto": the widest bit width the device's integer GEMM runs at its narrow
-# operands' rate.
+# gx_bits / gw_bits / forward_bits "auto": the widest bit width the device's integer GEMM runs at its
+# narrow operands' rate.
 AUTO = "auto"
 
 # The paper's recipe (Kim et al., CVPR 2025; the official code's defaults) on every linear:
@@ -76,7 +76,8 @@ class HotConfig:
             widest width whose integer GEMM runs at the rate of the narrowest on the site's device
             (8 where int8 is the narrowest hardware type: GPUs, CPUs with VNNI or AMX; 7 on x86 CPUs
             with only AVX2, whose exact uint8 × int8 GEMM takes at most 7-bit operands).
-        gw_bits: bit width of both operands of the grad_weight product (HLA), 2..8.
+        gw_bits: bit width of both operands of the grad_weight product (HLA) and of the saved buffer
+            (ABC), 2..8, or ``"auto"`` (the default): as ``gx_bits``.
         rank: rows kept of each 16-token Walsh block for HLA/ABC, 1..16 (16 = no low-rank error, the
             default: rank 8 is only right where neighbouring tokens are alike, which
             :func:`hot_compile.select_quantizers` measures per layer into ``plan``).
@@ -129,7 +130,7 @@ class HotConfig:
     overrides: tuple = ()
     device_profile: str = "auto"
     gx_bits: int | str = AUTO
-    gw_bits: int = 8
+    gw_bits: int | str = AUTO
     rank: int = DEFAULT_RANK
     gx_quantizer: str = "per_token"
     weight_quantizer: str = "per_channel"
@@ -155,10 +156,8 @@ class HotConfig:
         self._validate_profile()
         for key in ("gx_bits", "gw_bits"):
             value = getattr(self, key)
-            if key == "gx_bits" and value == AUTO:
-                continue
-            if type(value) is not int or not MIN_BITS <= value <= MAX_BITS:
-                _fail(key, value, f"an int in {MIN_BITS}..{MAX_BITS}" + (" or 'auto'" if key == "gx_bits" else ""))
+            if value != AUTO and (type(value) is not int or not MIN_BITS <= value <= MAX_BITS):
+                _fail(key, value, f"an int in {MIN_BITS}..{MAX_BITS} or 'auto'")
         if self.forward_bits not in (None, AUTO) and (
             type(self.forward_bits) is not int or not MIN_BITS <= self.forward_bits <= MAX_BITS
         ):

@@ -25,10 +25,12 @@ _ENGINE_NOTES = {"amx": "", "vnni": "", "avx2": "; GEMM: HOT's uint8 × int8 on 
 
 
 def resolve_numerics(config: HotConfig, profile: DeviceProfile) -> HotConfig:
-    """``config`` with ``gx_bits`` and ``forward_bits`` ``"auto"`` replaced by the widest bit width that
-    costs no more than the narrowest on ``profile``'s device: INT4 operands run through the same int8
-    kernels wherever INT4 has no GEMM of its own, so the narrower width would only add rounding error."""
-    resolved = {key: profile.widest_bits_at_narrowest_rate() for key in ("gx_bits", "forward_bits") if getattr(config, key) == AUTO}
+    """``config`` with ``gx_bits``, ``gw_bits`` and ``forward_bits`` ``"auto"`` replaced by the widest bit
+    width that costs no more than the narrowest on ``profile``'s device: INT4 operands run through the
+    same int8 kernels wherever INT4 has no GEMM of its own, so the narrower width would only add
+    rounding error."""
+    widest = profile.widest_bits_at_narrowest_rate()
+    resolved = {key: widest for key in ("gx_bits", "gw_bits", "forward_bits") if getattr(config, key) == AUTO}
     return dataclasses.replace(config, **resolved) if resolved else config
 
 
@@ -36,21 +38,26 @@ def _with_source(value: object, source: str) -> str:
     return str(value) if source == "config" else f"{value} ({source})"
 
 
+def _bits(site: HotConfig, config: HotConfig, module_path: str, key: str) -> str:
+    """``INTb`` of ``site``'s ``key``, with its source: the device where ``config`` left it ``"auto"``."""
+    source = config.source(module_path, key)
+    if source == "config" and getattr(config, key) == AUTO:
+        source = "auto: device"
+    return _with_source(f"INT{getattr(site, key)}", source)
+
+
 def describe(path: str, site: HotConfig, config: HotConfig, module_path: str) -> str:
     """What a rewritten ``path`` site computes under its resolved config ``site``, each choice with its
     source where it is not ``config``'s own value (the device, the plan, an override)."""
     if path == "fwd":
-        bits_source = "auto: device" if config.forward_bits == AUTO else config.source(module_path, "forward_bits")
-        bits = _with_source(f"INT{site.forward_bits}", bits_source)
-        return f"{bits} x per_token, W per_channel, nearest"
+        return f"{_bits(site, config, module_path, 'forward_bits')} x per_token, W per_channel, nearest"
     if path == "gx":
-        bits_source = "auto: device" if config.gx_bits == AUTO else config.source(module_path, "gx_bits")
-        bits = _with_source(f"INT{site.gx_bits}", bits_source)
+        bits = _bits(site, config, module_path, "gx_bits")
         g = _with_source(site.gx_quantizer, config.source(module_path, "gx_quantizer"))
         w = _with_source(site.weight_quantizer, config.source(module_path, "weight_quantizer"))
         hadamard = "" if site.hadamard else ", no Hadamard"
         return f"{bits} g {g}, W {w}{hadamard}"
-    bits = _with_source(f"INT{site.gw_bits}", config.source(module_path, "gw_bits"))
+    bits = _bits(site, config, module_path, "gw_bits")
     rank = _with_source(f"rank {site.rank}", config.source(module_path, "rank"))
     scales = _with_source(site.gw_quantizer, config.source(module_path, "gw_quantizer"))
     return f"{bits} {rank} {scales}"

@@ -93,6 +93,15 @@ def test_rank_8_grads_on_token_smooth_input():
     assert len(rows) == 2 and all("rank 8" in r.numerics for r in rows)
 
 
+def test_numerics_name_where_each_width_comes_from():
+    """A width left "auto" is the device's, one an override sets is the override's, per module."""
+    options = {"strict": True, "policy": "hot", "overrides": {"fc1": {"gw_bits": 6}}}
+    torch.compile(MLP(), backend="hot", options=options)(torch.randn(4, 40, 32)).sum().backward()
+    widest = hot_compile.runtime.devices.resolve_profile(torch.device("cpu"), "auto").widest_bits_at_narrowest_rate()
+    numerics = {row.module: row.numerics for row in hot_compile.last_report().select(path="gw", decision="HLA+ABC")}
+    assert numerics == {"fc1": "INT6 (override) rank 16 per_channel", "fc2": f"INT{widest} (auto: device) rank 16 per_channel"}
+
+
 def test_policy_off_is_bitwise_inductor():
     torch.manual_seed(0)
     model, x = Block(), torch.randn(2, 40, 32)

@@ -7,7 +7,7 @@ from hot_compile.config import PAPER_RECIPE, split_options
 
 def test_defaults_leave_bits_to_the_device_and_scale_per_slice():
     cfg = HotConfig()
-    assert (cfg.policy, cfg.gx_bits, cfg.gw_bits, cfg.rank) == ("balanced", "auto", 8, 16)
+    assert (cfg.policy, cfg.gx_bits, cfg.gw_bits, cfg.rank) == ("balanced", "auto", "auto", 16)
     assert (cfg.gx_quantizer, cfg.weight_quantizer, cfg.gw_quantizer) == ("per_token", "per_channel", "per_channel")
     assert cfg.exact_loss_head
 
@@ -34,7 +34,7 @@ def test_frozen():
         ("gw_bits", 9, "2..8"),
         ("gx_bits", 4.0, "2..8"),
         ("gx_bits", "int8", "'auto'"),
-        ("gw_bits", "auto", "2..8"),
+        ("gw_bits", "int8", "'auto'"),
         ("gw_quantizer", "per_token", "'per_channel'"),
         ("exact_loss_head", "no", "True or False"),
         ("rank", 0, "1..16"),

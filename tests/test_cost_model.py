@@ -159,8 +159,10 @@ def test_auto_bits_are_the_widest_at_the_narrowest_rate(profile, bits):
 
     resolved = devices.BUILTIN_PROFILES[profile]
     assert resolved.widest_bits_at_narrowest_rate() == bits
-    assert resolve_numerics(HotConfig(), resolved).gx_bits == bits
-    assert resolve_numerics(HotConfig(gx_bits=4), resolved).gx_bits == 4
+    defaults = resolve_numerics(HotConfig(), resolved)
+    assert (defaults.gx_bits, defaults.gw_bits, defaults.forward_bits) == (bits, bits, bits)
+    chosen = resolve_numerics(HotConfig(gx_bits=4, gw_bits=6, forward_bits=None), resolved)
+    assert (chosen.gx_bits, chosen.gw_bits, chosen.forward_bits) == (4, 6, None)
 
 
 def test_each_hot_op_pays_the_op_overhead():

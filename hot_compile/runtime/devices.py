@@ -51,7 +51,8 @@ class DeviceProfile:
             its dispatch, its calls into the kernels, and the cold caches it meets between the
             graph's other kernels (fitted on whole training steps of small layers).
         narrow_int8_ops: the rate on operands of at most 7 bits where it differs from ``int8_ops``: on
-            x86 CPUs without VNNI/AMX, oneDNN's uint8 × int8 GEMM (:func:`~hot_compile.runtime.int8_gemm.u8s8_exact`). None: ``int8_ops``.
+            x86 CPUs without VNNI/AMX, HOT's uint8 × int8 GEMM, whose int16 pair sums are exact there
+            (:func:`~hot_compile.runtime.int8_gemm.u8s8_exact`). None: ``int8_ops``.
         fp32_attention_backward: the CPU's flash-attention backward runs faster in float32, with its
             operands upcast and its gradients cast back, than in bf16 (:mod:`~hot_compile.passes.attention_precision`).
         attention_backward_products: a half-precision attention backward without masks or dropout runs
@@ -123,7 +124,7 @@ class DeviceProfile:
     def widest_bits_at_narrowest_rate(self) -> int:
         """The widest bit width whose integer product runs as fast as the narrowest's: 8 where the
         integer GEMM is int8 whatever the operands (GPUs, CPUs with VNNI or AMX), 7 where the fast path
-        takes only narrow operands (oneDNN's uint8 × int8 on AVX2)."""
+        takes only narrow operands (HOT's uint8 × int8 GEMM on AVX2, exact while |b| ≤ 64)."""
         fastest = self.int8_rate(MIN_BITS)
         return max(b for b in range(MIN_BITS, MAX_BITS + 1) if self.int8_rate(b) >= fastest)
 
@@ -192,18 +193,20 @@ BUILTIN_PROFILES: dict[str, DeviceProfile] = {
             # most of all), which their fidelity runs have not covered; the estimates stay pessimistic.
         ),
         DeviceProfile(
-            # AMD EPYC, AVX2 only. narrow_int8_ops is oneDNN's u8s8 GEMM's, measured before HOT's AVX2 GEMM
-            # ran those products (0.51-0.77x its time with the dequantize, as the AVX2 class on Zen 4): a
-            # pessimistic rate until this class is calibrated again. INT8 products run on float32.
+            # AMD EPYC, AVX2 only. The rates of HOT's own code on this class (its narrow GEMM, transforms and
+            # codes) were measured as the class on Zen 4 (HOT_CPU_CLASS=avx2, torch's kernels kept to AVX2),
+            # after that code changed: float32 came out there at 1.63e11, this class's own 1.6e11. INT8
+            # products run on float32.
             name="cpu-avx2-2core",
             matmul_flops={"float32": 1.6e11, "bfloat16": 9.6e8, "float16": 8.8e8},
             int8_ops=1.3e11,
             read_bw=3.7e10,
             write_bw=3.0e10,
-            transform_rate=6.3e8,
+            transform_rate=1.6e9,
+            stochastic_code_rate=6.0e9,
             kernel_overhead=4e-6,
             op_overhead=1e-4,  # not measured on this class: Zen 4's
-            narrow_int8_ops=2.5e11,
+            narrow_int8_ops=4.2e11,  # HOT's AVX2 GEMM on 7-bit operands
             fp32_attention_backward=True,  # not measured: bf16 matmuls run 170x slower than fp32 here
         ),
         DeviceProfile(
