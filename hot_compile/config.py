@@ -107,7 +107,8 @@ class HotConfig:
         compress_saved: not the paper's: every other float activation the partitioner saves for the
             backward (LayerNorm and residual inputs, attention's query, key, value and output) is
             saved as int8 rows with one float32 scale per row, and a GELU's input as the 4-bit code
-            of its derivative, which HOT's encoder computes from that input
+            of its derivative, which HOT's encoder computes from that input, and a weight's cast is
+            redone in the backward from the parameter instead of saved
             (:mod:`hot_compile.passes.saved_activations`), under every policy but
             ``"speed"`` and ``"off"``; ``"balanced"`` compresses the values that save the most bytes
             per estimated second while the added time stays within ``max_slowdown`` of the step's

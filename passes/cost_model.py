@@ -160,6 +160,18 @@ def saved_compression_cost(
     return SiteCost(0.0, hot, saved_bytes_before=numel * elem_bytes, saved_bytes_after=packed)
 
 
+def recompute_cost(numel: int, source_bytes: int, elem_bytes: int, profile: DeviceProfile) -> SiteCost:
+    """A saved value of ``numel`` values of ``b`` bytes computed from a parameter of ``a`` bytes a value
+    by casts and views (:mod:`~hot_compile.passes.saved_casts`), redone in the backward instead of saved.
+
+    original = 0: the forward computes it for its own product either way, and the backward reads it
+    either way; recomputed = ``numel·a / R + numel·b / W + c`` (the parameter read, the value written,
+    one kernel); saving all ``numel·b`` bytes.
+    """
+    hot = numel * source_bytes / profile.read_bw + profile.write_seconds(numel * elem_bytes) + profile.kernel_overhead
+    return SiteCost(0.0, hot, saved_bytes_before=numel * elem_bytes, saved_bytes_after=0)
+
+
 def attention_flops(b: int, h: int, l: int, s: int, e: int, ev: int, backward: bool, causal: bool) -> int:
     """A fused attention of ``B·H`` heads, ``L`` queries and ``S`` keys of width ``E``, values of width
     ``Ev``: forward ``2·B·H·L·S·(E + Ev)`` (``QKᵀ``, then ``PV``), backward ``2·B·H·L·S·(3E + 2Ev)``

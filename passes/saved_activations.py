@@ -19,8 +19,9 @@ tensors the forward hands the backward. Each float intermediate becomes one of t
   nearest (``s = max|row| / 127``), dequantized where the backward first reads it; every error is at
   most half a level, ``max|row| / 254``.
 
-Graph inputs and parameters are left alone (they outlive the step anyway). The rest is kept where
-:func:`why_kept` gives a reason, which the value's report row shows.
+A weight's cast (or view) is not saved at all: the backward recomputes it from the parameter
+(:mod:`.saved_casts`). Graph inputs and parameters are left alone (they outlive the step anyway). The
+rest is kept where :func:`why_kept` gives a reason, which the value's report row shows.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .legality import unsupported
 from .pointwise_factor import PointwiseFactor, pointwise_factor
 from .provenance import provenance
 from .report import SiteRow
+from .saved_casts import cast_chain, insert_recompute
 from .sites import WeightLike, module_path, storage_source
 
 aten = torch.ops.aten
@@ -53,6 +55,7 @@ DERIVATIVE_BITS = 4
 MIN_ROW = 16
 INT8_ROWS = "int8"
 DERIVATIVE = "f' 4-bit"
+RECOMPUTED = "recomputed"
 
 
 @dataclasses.dataclass
@@ -63,11 +66,14 @@ class SavedValue:
     backward: fx.Node  # the backward graph's placeholder of the same name
     reason: str | None  # why it is kept; None: compressed
     factor: PointwiseFactor | None = None  # set: saved as the 4-bit code of f(x)
+    recompute: tuple[fx.Node, ...] = ()  # set: not saved, the backward redoes this chain (saved_casts.cast_chain)
 
     @property
     def decision(self) -> str:
         if self.reason is not None:
             return "kept"
+        if self.recompute:
+            return RECOMPUTED
         return DERIVATIVE if self.factor is not None else INT8_ROWS
 
 
@@ -115,6 +121,10 @@ def why_kept(
         return "marked MUST_SAVE: HOT's compressed buffers, or a checkpoint policy's choice"
     if node in inner_outputs:
         return "also an output of the forward: the caller holds it anyway"
+    if weight_like(node):
+        if cast_chain(node, weight_like):
+            return None
+        return "computed from parameters alone, not by casts and views alone: the exact products that read it stay exact"
     if val.dim() == 0 or not isinstance(val.shape[-1], int) or val.shape[-1] < MIN_ROW:
         return f"rows shorter than {MIN_ROW} values: a scale per row would not shrink it"
     if any(statically_known_true(s == 0) for s in val.stride()):
@@ -123,8 +133,6 @@ def why_kept(
         return "an attention's log-sum-exp: half a level of error would scale a row of probabilities"
     if placeholder in masks:
         return "an attention mask: an additive mask may hold -inf"
-    if weight_like(node):
-        return "computed from parameters alone (a weight's cast): the exact products that read it stay exact"
     if memory_order(val) is None:
         fixed = [u for u in placeholder.users if not _reads_any_layout(u)]
         if fixed:
@@ -149,8 +157,9 @@ def find_saved_values(
             continue  # inputs and parameters outlive the step anyway; symbolic sizes travel separately
         placeholder = placeholders[node.name]
         reason = why_kept(node, placeholder, inner, weight_like, masks)
-        factor = pointwise_factor(placeholder, position) if reason is None else None
-        saved.append(SavedValue(node, placeholder, reason, factor))
+        recompute = cast_chain(node, weight_like) if reason is None else ()
+        factor = pointwise_factor(placeholder, position) if reason is None and not recompute else None
+        saved.append(SavedValue(node, placeholder, reason, factor, recompute))
     return saved
 
 
@@ -273,12 +282,27 @@ def _decode(graph: fx.Graph, s: SavedValue, inputs: list[fx.Node], position: dic
     graph.erase_node(s.backward)
 
 
+def _recompute_in_backward(bw_graph: fx.Graph, s: SavedValue, position: dict, sources: dict[str, fx.Node]) -> list[fx.Node]:
+    """Let the backward redo ``s``'s chain from its parameter before its first reader; returns what the
+    forward saves in its place: the parameter, unless the backward has it already (``sources``, its
+    placeholders by the name of what they stand for, gains it)."""
+    parameter = s.recompute[0]
+    first_reader = min(s.backward.users, key=position.__getitem__)
+    added = parameter.name not in sources
+    if added:
+        with bw_graph.inserting_before(s.backward):
+            sources[parameter.name] = bw_graph.placeholder(parameter.name)
+        sources[parameter.name].meta = {"val": parameter.meta["val"]}
+    insert_recompute(bw_graph, s.recompute, sources[parameter.name], s.backward, first_reader)
+    return [parameter] if added else []
+
+
 def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[SavedValue]) -> None:
     """Save each compressed value of ``saved`` as its code; the backward decodes it before its first
-    reader. The forward's new nodes are built first, so a failure while building them leaves both
-    graphs as they were."""
+    reader, or recomputes a weight's cast from the parameter. The forward's new nodes are built first,
+    so a failure while building them leaves both graphs as they were."""
     fw_graph, bw_graph = fw.graph, bw.graph
-    chosen = [s for s in saved if s.reason is None]
+    chosen = [s for s in saved if s.reason is None and not s.recompute]
     for device in {s.forward.meta["val"].device for s in chosen}:
         ops.prepare(device)
     created: list[fx.Node] = []
@@ -301,6 +325,10 @@ def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[Sa
         for placeholder, node in zip(inputs, nodes):
             placeholder.meta = {"val": node.meta["val"]}
         _decode(bw_graph, s, inputs, position)
+    sources = {n.name: n for n in bw_graph.find_nodes(op="placeholder")}
+    for s in saved:
+        if s.reason is None and s.recompute:
+            replacement[s.forward] = _recompute_in_backward(bw_graph, s, position, sources)
 
     output = fw_graph.output_node()
     output.args = (tuple(code for node in output.args[0] for code in replacement.get(node, [node])),)
@@ -317,6 +345,9 @@ def saved_row(s: SavedValue, cost: SiteCost | None) -> SiteRow:
     decision = s.decision
     if decision == INT8_ROWS:
         reason, numerics = "error ≤ max|row|/254", "INT8 per row, round to nearest"
+    elif decision == RECOMPUTED:
+        reason = "computed from a parameter by casts and views: the backward redoes them from the parameter, which outlives the step"
+        numerics = "exact (the same ops in the backward)"
     elif decision == DERIVATIVE:
         reason = f"the backward reads it only through f(x) = {s.factor.describe()}, times a gradient: f(x) is saved"
         if s.factor.function == GIVEN:

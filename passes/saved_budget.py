@@ -11,14 +11,17 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..runtime.aten_impl import GIVEN
 from .attention_precision import ATTENTION_BACKWARDS, ATTENTION_FORWARDS, arguments
-from .cost_model import SiteCost, attention_flops, saved_compression_cost, saved_traffic_time
+from .cost_model import SiteCost, attention_flops, recompute_cost, saved_compression_cost, saved_traffic_time
 from .saved_activations import DERIVATIVE_BITS, ROW_BITS, SavedValue, derivative_dtype
 
 
 def compression_cost(s: SavedValue, profile) -> SiteCost:
-    """The estimated added time and the bytes of ``s``'s code (:func:`~.cost_model.saved_compression_cost`)."""
+    """The estimated added time and the bytes of ``s``'s code (:func:`~.cost_model.saved_compression_cost`),
+    or of its recomputation (:func:`~.cost_model.recompute_cost`)."""
     val = s.forward.meta["val"]
     numel = optimization_hint(val.numel())
+    if s.recompute:
+        return recompute_cost(numel, s.recompute[0].meta["val"].element_size(), val.element_size(), profile)
     rows = numel // max(optimization_hint(val.shape[-1]), 1) if val.dim() else 1
     if s.factor is None:
         return saved_compression_cost(numel, rows, val.element_size(), ROW_BITS, 1, profile)
