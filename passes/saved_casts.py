@@ -33,15 +33,22 @@ def _redoable(node: fx.Node) -> bool:
 
 
 def cast_chain(node: fx.Node, weight_like: WeightLike) -> tuple[fx.Node, ...]:
-    """``(parameter, *ops)``: the forward's nodes from one parameter to the saved ``node`` through
-    :data:`CASTS` and views alone, on one device, in order; ``()`` where ``node`` is not computed so."""
+    """``(parameter, *ops)``: the forward's nodes from one parameter, which the graph does not write, to
+    the saved ``node`` through :data:`CASTS` and views alone, on one device, in order; ``()`` where
+    ``node`` is not computed so."""
     chain = []
     while _redoable(node):
         chain.append(node)
         node = node.all_input_nodes[0]
-    if not chain or node.op != "placeholder" or not weight_like(node):
+    if not chain or node.op != "placeholder" or not weight_like(node) or _mutated(node):
         return ()
     return (node, *reversed(chain))
+
+
+def _mutated(placeholder: fx.Node) -> bool:
+    """Whether the graph writes into ``placeholder`` (AOTAutograd's input mutation, a ``copy_`` into it):
+    the backward would then read the written values, not the ones the forward cast."""
+    return any(u.target is aten.copy_.default and u.args[0] is placeholder for u in placeholder.users)
 
 
 def insert_recompute(graph: fx.Graph, chain: tuple[fx.Node, ...], source: fx.Node, stands_for: fx.Node, before: fx.Node) -> None:

@@ -71,10 +71,10 @@ def test_recomputed_casts_give_the_same_gradients_bit_for_bit(monkeypatch):
 
 
 def _traced(build) -> tuple[fx.Node, WeightLike]:
-    """The output value of ``build(weight, x)`` traced, with its weight a parameter (input 0) and x not."""
+    """The first output of ``build(weight, x)`` traced, with its weight a parameter (input 0) and x not."""
     gm = make_fx(build)(torch.randn(8, 4), torch.randn(3, 4))
     gm.graph.find_nodes(op="placeholder")[0].meta["desc"] = types.SimpleNamespace(idx=0)
-    (value,) = gm.graph.output_node().args[0]
+    value = gm.graph.output_node().args[0][0]
     return value, WeightLike(gm.graph, frozenset({0}))
 
 
@@ -86,6 +86,7 @@ def _traced(build) -> tuple[fx.Node, WeightLike]:
         (lambda w, x: ((w * 2).to(torch.bfloat16),), None),  # not a cast: kept, the product stays exact
         (lambda w, x: (x.to(torch.bfloat16),), None),  # an activation, not a parameter
         (lambda w, x: (w,), None),  # the parameter itself: nothing to redo
+        (lambda w, x: (w.to(torch.bfloat16), w.copy_(w * 0.5)), None),  # the graph writes the parameter
     ],
 )
 def test_only_casts_and_views_of_one_parameter_are_redone(build, chain):
