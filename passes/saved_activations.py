@@ -293,7 +293,8 @@ def _recompute_in_backward(bw_graph: fx.Graph, s: SavedValue, position: dict, so
         with bw_graph.inserting_before(s.backward):
             sources[parameter.name] = bw_graph.placeholder(parameter.name)
         sources[parameter.name].meta = {"val": parameter.meta["val"]}
-    insert_recompute(bw_graph, s.recompute, sources[parameter.name], s.backward, first_reader)
+    meta = provenance(REWRITE, module_path(s.forward), "saved", s.forward, "backward")
+    insert_recompute(bw_graph, s.recompute, sources[parameter.name], s.backward, first_reader, meta)
     return [parameter] if added else []
 
 

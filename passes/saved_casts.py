@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .provenance import provenance
-from .sites import WeightLike, module_path
+from .sites import WeightLike
 
 aten, prims = torch.ops.aten, torch.ops.prims
 # Ops a chain from a parameter to a saved value may take besides views: each element of the result is
@@ -51,11 +50,12 @@ def _mutated(placeholder: fx.Node) -> bool:
     return any(u.target is aten.copy_.default and u.args[0] is placeholder for u in placeholder.users)
 
 
-def insert_recompute(graph: fx.Graph, chain: tuple[fx.Node, ...], source: fx.Node, stands_for: fx.Node, before: fx.Node) -> None:
+def insert_recompute(
+    graph: fx.Graph, chain: tuple[fx.Node, ...], source: fx.Node, stands_for: fx.Node, before: fx.Node, meta: dict
+) -> None:
     """Copy ``chain``'s ops into the backward ``graph`` before ``before``, reading ``source`` (the
-    backward's placeholder of ``chain[0]``), and let them stand for ``stands_for``, the placeholder of
-    the saved value, which is erased."""
-    meta = provenance("compress_saved", module_path(chain[-1]), "saved", chain[-1], "backward")
+    backward's placeholder of ``chain[0]``), with ``meta`` (their provenance), and let them stand for
+    ``stands_for``, the placeholder of the saved value, which is erased."""
     env = {chain[0]: source}
     with graph.inserting_before(before):
         for node in chain[1:]:
