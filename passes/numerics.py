@@ -7,10 +7,9 @@ import dataclasses
 import torch
 
 from ..config import AUTO, HotConfig
-from ..runtime.devices import DeviceProfile
-from ..runtime.hadamard import lowpass_rows, padded_length
 from ..runtime import cpu_gemm, int8_gemm
-from ..runtime.devices import cpu_class
+from ..runtime.devices import DeviceProfile, cpu_class
+from ..runtime.hadamard import lowpass_rows, padded_length
 from ..runtime.quant import qmax
 
 # What a row says of an integer product that does not run on the hardware's int8 GEMM.

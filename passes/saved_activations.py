@@ -108,10 +108,16 @@ def _reads_any_layout(node: fx.Node) -> bool:
 
 
 def why_kept(
-    node: fx.Node, placeholder: fx.Node, inner_outputs: set[fx.Node], weight_like: WeightLike, masks: set[fx.Node]
+    node: fx.Node,
+    placeholder: fx.Node,
+    inner_outputs: set[fx.Node],
+    weight_like: WeightLike,
+    masks: set[fx.Node],
+    redoable: bool = False,
 ) -> str | None:
-    """Why the saved ``node`` stays as it is; None where it is compressed. Cheap checks first.
-    ``masks``: the backward's :func:`attention_masks`."""
+    """Why the saved ``node`` stays as it is; None where it is compressed or recomputed. Cheap checks
+    first. ``masks``: the backward's :func:`attention_masks`; ``redoable``: ``node`` has a
+    :func:`~.saved_casts.cast_chain`."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or not val.is_floating_point():
         return f"not a float tensor ({getattr(val, 'dtype', type(val).__name__)})"
@@ -122,9 +128,7 @@ def why_kept(
     if node in inner_outputs:
         return "also an output of the forward: the caller holds it anyway"
     if weight_like(node):
-        if cast_chain(node, weight_like):
-            return None
-        return "computed from parameters alone, not by casts and views alone: the exact products that read it stay exact"
+        return None if redoable else "computed from parameters alone, not by casts and views alone: the exact products that read it stay exact"
     if val.dim() == 0 or not isinstance(val.shape[-1], int) or val.shape[-1] < MIN_ROW:
         return f"rows shorter than {MIN_ROW} values: a scale per row would not shrink it"
     if any(statically_known_true(s == 0) for s in val.stride()):
@@ -156,8 +160,9 @@ def find_saved_values(
         if not isinstance(node, fx.Node) or node.op == "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
             continue  # inputs and parameters outlive the step anyway; symbolic sizes travel separately
         placeholder = placeholders[node.name]
-        reason = why_kept(node, placeholder, inner, weight_like, masks)
-        recompute = cast_chain(node, weight_like) if reason is None else ()
+        chain = cast_chain(node, weight_like)
+        reason = why_kept(node, placeholder, inner, weight_like, masks, redoable=bool(chain))
+        recompute = chain if reason is None else ()
         factor = pointwise_factor(placeholder, position) if reason is None and not recompute else None
         saved.append(SavedValue(node, placeholder, reason, factor, recompute))
     return saved
@@ -304,6 +309,7 @@ def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[Sa
     so a failure while building them leaves both graphs as they were."""
     fw_graph, bw_graph = fw.graph, bw.graph
     chosen = [s for s in saved if s.reason is None and not s.recompute]
+    recomputed = [s for s in saved if s.reason is None and s.recompute]
     for device in {s.forward.meta["val"].device for s in chosen}:
         ops.prepare(device)
     created: list[fx.Node] = []
@@ -327,9 +333,8 @@ def compress_saved_values(fw: fx.GraphModule, bw: fx.GraphModule, saved: list[Sa
             placeholder.meta = {"val": node.meta["val"]}
         _decode(bw_graph, s, inputs, position)
     sources = {n.name: n for n in bw_graph.find_nodes(op="placeholder")}
-    for s in saved:
-        if s.reason is None and s.recompute:
-            replacement[s.forward] = _recompute_in_backward(bw_graph, s, position, sources)
+    for s in recomputed:
+        replacement[s.forward] = _recompute_in_backward(bw_graph, s, position, sources)
 
     output = fw_graph.output_node()
     output.args = (tuple(code for node in output.args[0] for code in replacement.get(node, [node])),)

@@ -4,7 +4,6 @@
 make a training run's noise and levels the same on each class, so fidelity measured on one holds on
 the others."""
 
-
 import pytest
 import torch
 
